@@ -1,0 +1,19 @@
+# Warnings for netio3's own targets only (linked PRIVATE, never exported).
+add_library(netio3_warnings INTERFACE)
+target_compile_options(netio3_warnings INTERFACE -Wall -Wextra -Wpedantic -Wshadow
+                       -Wnon-virtual-dtor -Wold-style-cast -Wcast-align -Woverloaded-virtual
+                       -Wnull-dereference -Wimplicit-fallthrough)
+if(NETIO3_WERROR)
+  target_compile_options(netio3_warnings INTERFACE -Werror)
+endif()
+
+if(NETIO3_SANITIZER STREQUAL "address")
+  add_compile_options(-fsanitize=address,undefined -fno-omit-frame-pointer
+                      -fno-sanitize-recover=undefined)
+  add_link_options(-fsanitize=address,undefined)
+elseif(NETIO3_SANITIZER STREQUAL "thread")
+  add_compile_options(-fsanitize=thread -fno-omit-frame-pointer)
+  add_link_options(-fsanitize=thread)
+elseif(NOT NETIO3_SANITIZER STREQUAL "")
+  message(FATAL_ERROR "NETIO3_SANITIZER must be '', 'address' or 'thread'")
+endif()

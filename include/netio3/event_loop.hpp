@@ -1,0 +1,190 @@
+#pragma once
+
+// The event loop every backend runs on. One thread calls run(); every callback registered
+// here (and every netio3 callback) runs on that thread. Other threads interact with the
+// loop only through stop(), post(), run_sync() and EventSignalHandle::fire().
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+
+namespace netio3 {
+
+namespace detail {
+// One registration inside a loop (an fd, a signal, a timer or a prepare hook). Handles
+// share it with the loop; closing it from any thread, also from inside its own callback,
+// is safe: the loop never calls a closed source's callback again.
+class EventSource {
+ public:
+  EventSource() = default;
+  EventSource(const EventSource&) = delete;
+  EventSource& operator=(const EventSource&) = delete;
+  EventSource(EventSource&&) = delete;
+  EventSource& operator=(EventSource&&) = delete;
+  virtual ~EventSource() = default;
+  virtual void close() noexcept = 0;
+};
+
+class FdSource : public EventSource {
+ public:
+  virtual void modify(std::uint32_t events) = 0;
+};
+
+class SignalSource : public EventSource {
+ public:
+  virtual void fire() noexcept = 0;
+};
+
+class TimerSource : public EventSource {
+ public:
+  virtual void start(std::chrono::milliseconds period) = 0;
+  virtual void start_once(std::chrono::milliseconds delay) = 0;
+  virtual void stop() = 0;
+};
+
+// Move-only owner of a registration; destroying it closes the registration.
+template <typename Source>
+class Handle {
+ public:
+  Handle() = default;
+  explicit Handle(std::shared_ptr<Source> source) noexcept : m_source{std::move(source)} {}
+  Handle(const Handle&) = delete;
+  Handle& operator=(const Handle&) = delete;
+  Handle(Handle&&) noexcept = default;
+  Handle& operator=(Handle&& other) noexcept {
+    if (this != &other) {
+      close();
+      m_source = std::move(other.m_source);
+    }
+    return *this;
+  }
+  ~Handle() { close(); }
+
+  // Unregisters; the callback will not be called again once close() returns on the loop
+  // thread. From another thread, a callback that is already running finishes normally.
+  void close() noexcept {
+    if (m_source) {
+      m_source->close();
+      m_source.reset();
+    }
+  }
+  [[nodiscard]] explicit operator bool() const noexcept { return m_source != nullptr; }
+
+ protected:
+  [[nodiscard]] Source& source() const { return *m_source; }
+
+ private:
+  std::shared_ptr<Source> m_source;
+};
+}  // namespace detail
+
+// Readiness callback for a registered file descriptor; receives the epoll event mask.
+using FdCallback = std::function<void(std::uint32_t events)>;
+
+class FdHandle : public detail::Handle<detail::FdSource> {
+ public:
+  using Handle::Handle;
+  // Changes the epoll events (EPOLLIN, EPOLLOUT, ...) the callback waits for.
+  void modify(std::uint32_t events) const { source().modify(events); }
+};
+
+// An eventfd-backed signal. fire() may be called from any thread (it is async-signal-safe
+// too); the callback runs on the loop thread. Several fire() calls before the loop wakes
+// run the callback once, unless the signal was created with semaphore semantics, in which
+// case every fire() runs it once.
+class EventSignalHandle : public detail::Handle<detail::SignalSource> {
+ public:
+  using Handle::Handle;
+  void fire() const noexcept { source().fire(); }
+};
+
+// A timerfd-backed timer, stopped until started. Expirations that pile up while the loop
+// is busy run the callback once. Call start/stop from the loop thread or any other thread.
+class EventTimerHandle : public detail::Handle<detail::TimerSource> {
+ public:
+  using Handle::Handle;
+  // Periodic: the first expiry is one period from now. Throws std::invalid_argument for a
+  // period that is not positive.
+  void start(std::chrono::milliseconds period) const { source().start(period); }
+  void start_once(std::chrono::milliseconds delay) const { source().start_once(delay); }
+  void stop() const { source().stop(); }
+};
+
+// A hook called on the loop thread before the loop would block waiting for events. It
+// returns true when it is safe to sleep, false to make the loop poll once more without
+// sleeping (the pattern of fi_trywait and ucp_worker_arm).
+using PrepareHook = std::function<bool()>;
+using PrepareHookHandle = detail::Handle<detail::EventSource>;
+
+class BaseEventLoop {
+ public:
+  BaseEventLoop() = default;
+  BaseEventLoop(const BaseEventLoop&) = delete;
+  BaseEventLoop& operator=(const BaseEventLoop&) = delete;
+  BaseEventLoop(BaseEventLoop&&) = delete;
+  BaseEventLoop& operator=(BaseEventLoop&&) = delete;
+  virtual ~BaseEventLoop() = default;
+
+  // Dispatches events on the calling thread until stop(). If stop() was called before,
+  // returns at once (and clears the request). Functions posted but not yet run when the
+  // loop stops are run before run() returns.
+  virtual void run() = 0;
+  // Any thread, also from a callback and before run(). Non-blocking.
+  virtual void stop() noexcept = 0;
+  [[nodiscard]] virtual bool is_running() const noexcept = 0;
+  // True on the thread currently inside run().
+  [[nodiscard]] virtual bool in_loop_thread() const noexcept = 0;
+
+  // Runs fn on the loop thread soon (never inside this call), in posting order.
+  virtual void post(std::function<void()> fn) = 0;
+  // Runs fn on the loop thread and waits for it to finish. Runs it at once on the calling
+  // thread when called from the loop thread or when the loop is not running. Exceptions
+  // thrown by fn are rethrown here.
+  virtual void run_sync(std::function<void()> fn) = 0;
+
+  // The loop does not take ownership of fd; close the handle before closing the fd.
+  [[nodiscard]] virtual FdHandle add_fd(int fd, std::uint32_t events, FdCallback callback) = 0;
+  [[nodiscard]] virtual EventSignalHandle create_signal(std::function<void()> callback) = 0;
+  [[nodiscard]] virtual EventSignalHandle create_signal(std::function<void()> callback,
+                                                        bool semaphore) = 0;
+  [[nodiscard]] virtual EventTimerHandle create_timer(std::function<void()> callback) = 0;
+  [[nodiscard]] virtual PrepareHookHandle add_prepare_hook(PrepareHook hook) = 0;
+
+  // Number of times the loop returned from waiting for events (for tests and monitoring:
+  // an idle loop does not wake up).
+  [[nodiscard]] virtual std::uint64_t wakeups() const noexcept = 0;
+};
+
+// The epoll(7) implementation. Thread safety: all members may be called from any thread;
+// callbacks run on the thread in run(). Destroy the loop only after run() has returned.
+class EpollEventLoop final : public BaseEventLoop {
+ public:
+  EpollEventLoop();
+  ~EpollEventLoop() override;
+  EpollEventLoop(const EpollEventLoop&) = delete;
+  EpollEventLoop& operator=(const EpollEventLoop&) = delete;
+  EpollEventLoop(EpollEventLoop&&) = delete;
+  EpollEventLoop& operator=(EpollEventLoop&&) = delete;
+
+  void run() override;
+  void stop() noexcept override;
+  [[nodiscard]] bool is_running() const noexcept override;
+  [[nodiscard]] bool in_loop_thread() const noexcept override;
+  void post(std::function<void()> fn) override;
+  void run_sync(std::function<void()> fn) override;
+  [[nodiscard]] FdHandle add_fd(int fd, std::uint32_t events, FdCallback callback) override;
+  [[nodiscard]] EventSignalHandle create_signal(std::function<void()> callback) override;
+  [[nodiscard]] EventSignalHandle create_signal(std::function<void()> callback,
+                                                bool semaphore) override;
+  [[nodiscard]] EventTimerHandle create_timer(std::function<void()> callback) override;
+  [[nodiscard]] PrepareHookHandle add_prepare_hook(PrepareHook hook) override;
+  [[nodiscard]] std::uint64_t wakeups() const noexcept override;
+
+  class Impl;
+
+ private:
+  std::shared_ptr<Impl> m_impl;
+};
+
+}  // namespace netio3

@@ -1,0 +1,33 @@
+#pragma once
+
+// The logging hook. netio3 formats its messages with fmt and hands them to one sink, by
+// default a line on stderr. The level starts from the environment variable
+// NETIO3_LOG_LEVEL (trace, debug, info, warn, error, off; default info). At debug level
+// every connection event is logged, at trace level every send and receive with endpoint,
+// key and size.
+
+#include <functional>
+#include <optional>
+#include <string_view>
+
+namespace netio3 {
+
+// Lower-case enumerators: DEBUG and ERROR are macros in too many build systems.
+enum class LogLevel { trace, debug, info, warn, error, off };
+
+[[nodiscard]] std::string_view to_string(LogLevel level) noexcept;
+[[nodiscard]] std::optional<LogLevel> parse_log_level(std::string_view name) noexcept;
+
+// Receives one complete message (no trailing newline). Called from whichever thread
+// logged (usually the event-loop thread), concurrently from several threads, never under a
+// lock of the library; it must not throw.
+using LogSink = std::function<void(LogLevel level, std::string_view message)>;
+
+// Messages below this level are not formatted at all.
+void set_log_level(LogLevel level) noexcept;
+[[nodiscard]] LogLevel log_level() noexcept;
+
+// Replaces the sink; an empty function restores the stderr sink. Thread-safe.
+void set_log_sink(LogSink sink);
+
+}  // namespace netio3

@@ -1,0 +1,171 @@
+#pragma once
+
+// Value types of the netio3 public API: addresses, enums, connection parameters and the
+// backend configuration with its callback table. Names and member order are part of the
+// contract (see docs/api.md); further members are only ever appended.
+
+#include <chrono>
+#include <compare>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <ostream>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <fmt/format.h>
+
+namespace netio3 {
+
+// An IP address (numeric IPv4 or IPv6; host names are not resolved because opening an
+// endpoint must never block) and a TCP/IP port. Port 0 asks the OS for a free port.
+struct EndPointAddress {
+  std::string address;
+  std::uint16_t port{};
+
+  friend bool operator==(const EndPointAddress&, const EndPointAddress&) = default;
+  friend std::strong_ordering operator<=>(const EndPointAddress&, const EndPointAddress&) = default;
+};
+
+// "ip:port", or "[ip]:port" for IPv6.
+[[nodiscard]] std::string to_string(const EndPointAddress& address);
+std::ostream& operator<<(std::ostream& os, const EndPointAddress& address);
+
+enum class BackendType { ASYNCMSG, LIBFABRIC, UCX };
+enum class NetworkMode { RDMA, TCP };
+enum class ThreadSafetyModel { SAFE, UNSAFE };
+enum class NetioStatus { OK, NO_RESOURCES, FAILED };
+
+// Names are lower case: "asyncmsg", "libfabric", "ucx"; "rdma", "tcp"; "safe", "unsafe";
+// "ok", "no_resources", "failed". Parsing is case-insensitive and returns nullopt for an
+// unknown name.
+[[nodiscard]] std::string_view to_string(BackendType type) noexcept;
+[[nodiscard]] std::string_view to_string(NetworkMode mode) noexcept;
+[[nodiscard]] std::string_view to_string(ThreadSafetyModel model) noexcept;
+[[nodiscard]] std::string_view to_string(NetioStatus status) noexcept;
+[[nodiscard]] std::optional<BackendType> parse_backend_type(std::string_view name) noexcept;
+[[nodiscard]] std::optional<NetworkMode> parse_network_mode(std::string_view name) noexcept;
+[[nodiscard]] std::optional<ThreadSafetyModel> parse_thread_safety_model(
+    std::string_view name) noexcept;
+
+// What a connection can do, as seen from the local side.
+struct EndpointCapabilities {
+  bool send_buffered{};
+  bool send_copy{};
+  bool send_zero_copy{};
+  bool receive{};
+
+  friend bool operator==(const EndpointCapabilities&, const EndpointCapabilities&) = default;
+};
+
+struct RecvParameters {
+  std::size_t buf_size{};
+  std::size_t num_buf{};  // 0: receiving not requested
+  // On a listen endpoint: all connections it spawns share one receive pool.
+  bool use_shared_receive_buffers{};
+};
+
+struct SendBufferedParameters {
+  std::size_t buf_size{};
+  std::size_t num_buf{};  // 0: buffered sending not requested
+};
+
+struct SendZeroCopyParameters {
+  std::size_t buf_size{};          // length of the region starting at mr_start
+  std::uint8_t* mr_start{nullptr};  // nullptr: zero-copy sending not requested
+};
+
+struct ConnectionParameters {
+  RecvParameters recv_params{};
+  SendBufferedParameters send_buffered_params{};
+  SendZeroCopyParameters send_zero_copy_params{};
+};
+
+struct SharedReceiveBuffers {
+  bool use_shared_receive_buffers{};
+  std::size_t buf_size{};
+  std::size_t num_buf{};
+};
+
+struct SharedSendBuffers {
+  bool use_shared_send_buffers{};
+  std::size_t buf_size{};
+  std::size_t num_buf{};
+};
+
+// Callbacks. Every one is optional and runs on the event-loop thread, never under a lock
+// of the library, so it may call back into the backend (send, close, even destroy it).
+// An exception escaping a callback is caught and logged at error level.
+using OnDataCb = std::function<void(std::span<const std::uint8_t> data)>;
+using OnConnectionEstablishedCb =
+    std::function<void(const EndPointAddress& remote, EndpointCapabilities capabilities)>;
+using OnConnectionClosedKeysCb = std::function<void(
+    const EndPointAddress& remote, const std::vector<std::uint64_t>& cancelled_keys)>;
+using OnConnectionRefusedCb = std::function<void(const EndPointAddress& remote)>;
+using OnSendCompleted = std::function<void(const EndPointAddress& remote, std::uint64_t key)>;
+
+inline constexpr std::size_t DEFAULT_MAX_MESSAGE_SIZE = std::size_t{64} << 20U;
+inline constexpr std::size_t DEFAULT_MAX_UNSENT_BYTES = std::size_t{64} << 20U;
+
+// Bounds that protect a process from its peers and from itself. Appended to NetworkConfig
+// after the members fixed by the contract.
+struct NetworkLimits {
+  // Largest message (header + payload) accepted for sending or from the network. A peer
+  // announcing a bigger one is disconnected with a logged reason.
+  std::size_t max_message_size{DEFAULT_MAX_MESSAGE_SIZE};
+  // Bytes a connection may hold accepted-but-unsent before sends return NO_RESOURCES.
+  std::size_t max_unsent_bytes{DEFAULT_MAX_UNSENT_BYTES};
+  // Connection set-up (TCP connect plus protocol greeting) must finish within this time,
+  // otherwise the active side gets on_connection_refused_cb and the passive side drops it.
+  std::chrono::milliseconds connect_timeout{std::chrono::seconds{10}};
+};
+
+struct NetworkConfig {
+  NetworkMode mode{NetworkMode::TCP};
+  ThreadSafetyModel thread_safety{ThreadSafetyModel::SAFE};
+  SharedReceiveBuffers shared_receive_buffers{};
+  SharedSendBuffers shared_send_buffers{};
+  OnDataCb on_data_cb{};
+  OnConnectionEstablishedCb on_connection_established_cb{};
+  OnConnectionClosedKeysCb on_connection_closed_cb{};
+  OnConnectionRefusedCb on_connection_refused_cb{};
+  OnSendCompleted on_send_completed_cb{};
+  NetworkLimits limits{};
+};
+
+}  // namespace netio3
+
+template <>
+struct std::hash<netio3::EndPointAddress> {
+  std::size_t operator()(const netio3::EndPointAddress& a) const noexcept {
+    const std::size_t h = std::hash<std::string>{}(a.address);
+    return h ^ (std::size_t{a.port} * 0x9E3779B97F4A7C15ULL + (h << 6U) + (h >> 2U));
+  }
+};
+
+template <>
+struct fmt::formatter<netio3::EndPointAddress> : fmt::formatter<std::string_view> {
+  template <typename FormatContext>
+  auto format(const netio3::EndPointAddress& a, FormatContext& ctx) const {
+    return fmt::formatter<std::string_view>::format(netio3::to_string(a), ctx);
+  }
+};
+
+#define NETIO3_DETAIL_ENUM_FORMATTER(Enum)                                     \
+  template <>                                                                  \
+  struct fmt::formatter<Enum> : fmt::formatter<std::string_view> {             \
+    template <typename FormatContext>                                          \
+    auto format(Enum value, FormatContext& ctx) const {                        \
+      return fmt::formatter<std::string_view>::format(netio3::to_string(value), \
+                                                      ctx);                    \
+    }                                                                          \
+  };
+
+NETIO3_DETAIL_ENUM_FORMATTER(netio3::BackendType)
+NETIO3_DETAIL_ENUM_FORMATTER(netio3::NetworkMode)
+NETIO3_DETAIL_ENUM_FORMATTER(netio3::ThreadSafetyModel)
+NETIO3_DETAIL_ENUM_FORMATTER(netio3::NetioStatus)
+#undef NETIO3_DETAIL_ENUM_FORMATTER

@@ -1,0 +1,1077 @@
+// asyncmsg: TCP through Boost.Asio sockets, driven by the shared EpollEventLoop.
+//
+// Asio provides the sockets (address parsing, open/bind/listen/accept, options, error
+// codes); readiness comes from the shared epoll loop, so no io_context is ever run and no
+// thread is hidden. Connect is issued with ::connect on the native handle because Asio's
+// synchronous connect would block in poll() on a non-blocking socket.
+//
+// Threads: socket I/O, state transitions and every callback happen on the loop thread.
+// Other threads only append to a connection's SendQueue under its mutex and ask the loop
+// to flush it; the loop writes outside the lock (see send_queue.hpp).
+//
+// Lock order: Backend::m_mutex before Connection::mutex before BufferPool's mutex. No user
+// callback is ever called while one of them is held.
+
+#include <utility>  // before Asio: GCC 12 + Boost 1.74 need std::exchange declared first
+
+#include "backends/asyncmsg/asyncmsg_backend.hpp"
+
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/epoll.h>
+#include <sys/socket.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/ip/tcp.hpp>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <list>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+#include "backends/asyncmsg/send_queue.hpp"
+#include "backends/asyncmsg/wire.hpp"
+#include "common/buffer_pool.hpp"
+#include "common/endpoint_rules.hpp"
+#include "common/log.hpp"
+#include "common/notifier.hpp"
+#include "common/send_ledger.hpp"
+
+namespace netio3::asyncmsg {
+namespace {
+
+namespace asio = boost::asio;
+using tcp = asio::ip::tcp;
+using Clock = std::chrono::steady_clock;
+using namespace std::chrono_literals;
+
+constexpr std::string_view NAME = "asyncmsg";
+// One receive buffer for the whole backend: the loop thread reads one socket at a time,
+// and messages that lie wholly inside a read are handed to on_data_cb from here.
+constexpr std::size_t SCRATCH_SIZE = std::size_t{1} << 20U;
+constexpr std::size_t MAX_IOV = 256;
+constexpr std::size_t MAX_WRITE_BYTES = std::size_t{16} << 20U;
+// Per readiness event, so that one busy connection cannot starve the others.
+constexpr int READS_PER_EVENT = 8;
+constexpr int WRITES_PER_FLUSH = 8;
+constexpr int ACCEPTS_PER_EVENT = 64;
+constexpr auto HOUSEKEEPING_PERIOD = 100ms;
+// After a local close the socket sends FIN and keeps reading (and discarding) until the
+// peer closes too, so that unread input cannot turn the close into a RST that would
+// destroy data still queued in our kernel send buffer.
+constexpr auto LINGER_TIMEOUT = 2s;
+// Accepting is paused this long when the process runs out of file descriptors.
+constexpr auto ACCEPT_BACKOFF = 100ms;
+
+std::string errno_text(int err) { return std::system_category().message(err); }
+
+struct Listener {
+  Listener(std::uint64_t id_, EndPointAddress address_, const ConnectionParameters& params_,
+           std::shared_ptr<asio::io_context> io_)
+      : id{id_}, address{std::move(address_)}, params{params_}, io{std::move(io_)}, acceptor{*io} {}
+
+  const std::uint64_t id;
+  EndPointAddress address;  // the requested one until the OS picked the port
+  const ConnectionParameters params;
+  std::shared_ptr<asio::io_context> io;  // outlives the acceptor
+  std::mutex mutex;                      // accept (loop) vs close (any thread)
+  tcp::acceptor acceptor;
+  FdHandle fd;
+  bool closed{false};
+  // Loop thread only.
+  bool paused{false};
+  Clock::time_point resume_at{};
+};
+
+enum class State { CONNECTING, GREETING, OPEN, CLOSED };
+enum class CloseKind { LOCAL, PEER, ERROR };
+
+struct Connection {
+  Connection(std::shared_ptr<asio::io_context> io_, EndPointAddress remote_,
+             const ConnectionParameters& params_, std::uint64_t listener_id_, State initial,
+             std::size_t max_message_size, Clock::time_point deadline_)
+      : remote{std::move(remote_)},
+        params{params_},
+        listener_id{listener_id_},
+        io{std::move(io_)},
+        socket{*io},
+        decoder{max_message_size},
+        deadline{deadline_},
+        state{initial} {}
+
+  [[nodiscard]] bool active() const noexcept { return listener_id == 0; }
+
+  const EndPointAddress remote;
+  const ConnectionParameters params;
+  const std::uint64_t listener_id;  // 0: opened by open_active_endpoint
+  std::shared_ptr<asio::io_context> io;
+  tcp::socket socket;
+  FdHandle fd;
+
+  // Loop thread only.
+  FrameDecoder decoder;
+  bool epollout{false};
+  const Clock::time_point deadline;  // for CONNECTING and GREETING
+
+  // Written on the loop thread under `mutex`; other threads read it under `mutex`.
+  State state;
+  std::atomic<bool> close_requested{false};
+
+  std::mutex mutex;
+  SendQueue queue;
+  detail::SendLedger ledger;
+  bool flush_pending{false};
+  std::size_t max_send_message{0};  // min(own limit, peer's announced limit)
+  detail::BufferPool* send_pool{nullptr};
+  std::unique_ptr<detail::BufferPool> own_send_pool;
+};
+
+struct Lingering {
+  std::shared_ptr<asio::io_context> io;
+  tcp::socket socket;
+  int native{-1};
+  FdHandle fd;
+  Clock::time_point deadline;
+};
+
+// Reads whatever is pending (so close() does not turn into a RST) and closes.
+void drain_and_close(tcp::socket& socket) noexcept {
+  if (!socket.is_open()) return;
+  std::array<std::uint8_t, 4096> sink{};
+  for (int i = 0; i < 16; ++i) {
+    if (::recv(socket.native_handle(), sink.data(), sink.size(), MSG_DONTWAIT) <= 0) break;
+  }
+  boost::system::error_code ec;
+  socket.close(ec);
+}
+
+class Backend : public std::enable_shared_from_this<Backend> {
+ public:
+  Backend(NetworkConfig config, std::shared_ptr<BaseEventLoop> loop)
+      : m_config{std::move(config)},
+        m_loop{std::move(loop)},
+        m_notifier{NAME, m_config},
+        m_io{std::make_shared<asio::io_context>(1)},
+        m_max_message{std::min(m_config.limits.max_message_size, WIRE_MAX_MESSAGE_SIZE)} {
+    const auto& shared_tx = m_config.shared_send_buffers;
+    if (shared_tx.use_shared_send_buffers) {
+      m_shared_send_pool = std::make_unique<detail::BufferPool>(
+          shared_tx.num_buf, shared_tx.buf_size, FRAME_HEADER_SIZE, true);
+    }
+    if (m_config.thread_safety == ThreadSafetyModel::UNSAFE) {
+      NETIO3_DEBUG("asyncmsg: ThreadSafetyModel::UNSAFE requested; asyncmsg is always thread-safe");
+    }
+  }
+
+  Backend(const Backend&) = delete;
+  Backend& operator=(const Backend&) = delete;
+  Backend(Backend&&) = delete;
+  Backend& operator=(Backend&&) = delete;
+  ~Backend() = default;
+
+  // Registrations that need a weak self-reference; called right after construction.
+  void start() {
+    std::weak_ptr<Backend> weak = weak_from_this();
+    m_flush_signal = m_loop->create_signal([weak] {
+      if (auto self = weak.lock()) self->process_flush_list();
+    });
+    m_prepare = m_loop->add_prepare_hook([weak] {
+      auto self = weak.lock();
+      return !self || self->process_flush_list();
+    });
+    m_timer = m_loop->create_timer([weak] {
+      if (auto self = weak.lock()) self->housekeeping();
+    });
+  }
+
+  // Closes everything without callbacks. Runs on the loop thread, or inline when the
+  // loop is not running.
+  void shutdown() noexcept {
+    if (m_shut_down.exchange(true)) return;
+    std::unordered_map<EndPointAddress, std::shared_ptr<Listener>> listeners;
+    std::unordered_map<EndPointAddress, std::shared_ptr<Connection>> connections;
+    std::vector<std::shared_ptr<Connection>> closing;
+    {
+      const std::lock_guard lock{m_mutex};
+      listeners.swap(m_listeners);
+      connections.swap(m_connections);
+      closing.swap(m_closing);
+      m_handshaking.clear();
+      m_paused.clear();
+    }
+    for (auto& [address, listener] : listeners) close_acceptor(*listener);
+    for (auto& [address, conn] : connections) abandon(*conn);
+    for (auto& conn : closing) abandon(*conn);
+    for (auto& lingering : m_lingering) {
+      lingering.fd.close();
+      drain_and_close(lingering.socket);
+    }
+    m_lingering.clear();
+    m_flush_signal.close();
+    m_prepare.close();
+    m_timer.close();
+    NETIO3_DEBUG("asyncmsg: backend shut down ({} listener(s), {} connection(s) dropped)",
+                 listeners.size(), connections.size());
+  }
+
+  // ---- API (any thread) ------------------------------------------------------------
+
+  EndPointAddress open_listen_endpoint(const EndPointAddress& address,
+                                       const ConnectionParameters& params) {
+    detail::check_address(address, "open_listen_endpoint");
+    detail::check_connection_parameters(params, m_config, true);
+    const auto ip = asio::ip::make_address(address.address);
+    const std::lock_guard lock{m_mutex};
+    if (address.port != 0 && m_listeners.contains(address)) {
+      throw ListenEndpointAlreadyExists(
+          fmt::format("asyncmsg: already listening on {}", address));
+    }
+    auto listener =
+        std::make_shared<Listener>(m_next_listener_id++, address, params, m_io);
+    boost::system::error_code ec;
+    const tcp::endpoint endpoint{ip, address.port};
+    const auto fail = [&](std::string_view step) {
+      throw FailedOpenListenEndpoint(
+          fmt::format("asyncmsg: cannot listen on {}: {} failed: {}", address, step, ec.message()));
+    };
+    if (listener->acceptor.open(endpoint.protocol(), ec); ec) fail("open");
+    if (listener->acceptor.set_option(tcp::acceptor::reuse_address(true), ec); ec) fail("SO_REUSEADDR");
+    if (listener->acceptor.bind(endpoint, ec); ec) fail("bind");
+    if (listener->acceptor.listen(asio::socket_base::max_listen_connections, ec); ec) fail("listen");
+    if (listener->acceptor.non_blocking(true, ec); ec) fail("non-blocking mode");
+    const auto local = listener->acceptor.local_endpoint(ec);
+    if (ec) fail("getsockname");
+    EndPointAddress actual{address.address, local.port()};
+    if (m_listeners.contains(actual)) {
+      throw ListenEndpointAlreadyExists(fmt::format("asyncmsg: already listening on {}", actual));
+    }
+    listener->address = actual;
+    std::weak_ptr<Backend> weak = weak_from_this();
+    std::weak_ptr<Listener> weak_listener = listener;
+    listener->fd = m_loop->add_fd(listener->acceptor.native_handle(), EPOLLIN,
+                                  [weak, weak_listener](std::uint32_t) {
+                                    auto self = weak.lock();
+                                    auto l = weak_listener.lock();
+                                    if (self && l) self->on_acceptable(l);
+                                  });
+    m_listeners.emplace(actual, std::move(listener));
+    NETIO3_DEBUG("asyncmsg: listening on {}", actual);
+    return actual;
+  }
+
+  void open_active_endpoint(const EndPointAddress& address, const ConnectionParameters& params) {
+    detail::check_address(address, "open_active_endpoint");
+    detail::check_connection_parameters(params, m_config, false);
+    const auto ip = asio::ip::make_address(address.address);
+    const tcp::endpoint endpoint{ip, address.port};
+    const std::lock_guard lock{m_mutex};
+    if (m_connections.contains(address)) {
+      throw ActiveEndpointAlreadyExists(
+          fmt::format("asyncmsg: a connection with {} already exists", address));
+    }
+    auto conn = std::make_shared<Connection>(m_io, address, params, 0, State::CONNECTING,
+                                             m_max_message,
+                                             Clock::now() + m_config.limits.connect_timeout);
+    attach_send_pool(*conn);
+    boost::system::error_code ec;
+    const auto fail = [&](std::string_view step, const std::string& why) {
+      throw FailedOpenActiveEndpoint(
+          fmt::format("asyncmsg: cannot connect to {}: {} failed: {}", address, step, why));
+    };
+    if (conn->socket.open(endpoint.protocol(), ec); ec) fail("socket", ec.message());
+    if (conn->socket.non_blocking(true, ec); ec) fail("non-blocking mode", ec.message());
+    if (conn->socket.set_option(tcp::no_delay(true), ec); ec) fail("TCP_NODELAY", ec.message());
+    const int rc = ::connect(conn->socket.native_handle(), endpoint.data(),
+                             static_cast<socklen_t>(endpoint.size()));
+    const int err = rc == 0 ? 0 : errno;
+    if (err != 0 && err != EINPROGRESS && err != EAGAIN && err != EINTR) {
+      // Failed at once (e.g. no route): reported like any refusal, from the loop.
+      m_connections.emplace(address, conn);
+      std::weak_ptr<Backend> weak = weak_from_this();
+      m_loop->post([weak, conn, err] {
+        if (auto self = weak.lock()) {
+          self->close_connection(conn, fmt::format("connect failed: {}", errno_text(err)),
+                                 CloseKind::ERROR);
+        }
+      });
+      return;
+    }
+    // Writable = connected or failed; on_socket_event tells which from SO_ERROR.
+    conn->fd = m_loop->add_fd(conn->socket.native_handle(), EPOLLOUT, socket_callback(conn));
+    m_connections.emplace(address, conn);
+    track_handshake_locked(conn);
+    NETIO3_DEBUG("asyncmsg: connecting to {}", address);
+  }
+
+  void close_listen_endpoint(const EndPointAddress& address) {
+    detail::check_address(address, "close_listen_endpoint");
+    std::shared_ptr<Listener> listener;
+    std::vector<std::shared_ptr<Connection>> children;
+    {
+      const std::lock_guard lock{m_mutex};
+      const auto it = m_listeners.find(address);
+      if (it == m_listeners.end()) {
+        throw UnknownListenEndpoint(fmt::format("asyncmsg: not listening on {}", address));
+      }
+      listener = std::move(it->second);
+      m_listeners.erase(it);
+      for (auto c = m_connections.begin(); c != m_connections.end();) {
+        if (c->second->listener_id == listener->id) {
+          c->second->close_requested.store(true);
+          children.push_back(std::move(c->second));
+          c = m_connections.erase(c);
+        } else {
+          ++c;
+        }
+      }
+      for (const auto& child : children) m_closing.push_back(child);
+    }
+    close_acceptor(*listener);
+    NETIO3_DEBUG("asyncmsg: stopped listening on {} ({} connection(s) to close)", address,
+                 children.size());
+    if (children.empty()) return;
+    std::weak_ptr<Backend> weak = weak_from_this();
+    m_loop->post([weak, children = std::move(children)] {
+      auto self = weak.lock();
+      if (!self) return;
+      for (const auto& child : children) {
+        self->close_connection(child, "listen endpoint closed", CloseKind::LOCAL);
+      }
+    });
+  }
+
+  void close_active_endpoint(const EndPointAddress& address) {
+    std::shared_ptr<Connection> conn;
+    {
+      const std::lock_guard lock{m_mutex};
+      const auto it = m_connections.find(address);
+      if (it == m_connections.end()) {
+        detail::check_address(address, "close_active_endpoint");
+        throw UnknownActiveEndpoint(fmt::format("asyncmsg: no connection with {}", address));
+      }
+      conn = std::move(it->second);
+      m_connections.erase(it);
+      conn->close_requested.store(true);
+      m_closing.push_back(conn);
+    }
+    std::weak_ptr<Backend> weak = weak_from_this();
+    m_loop->post([weak, conn = std::move(conn)] {
+      if (auto self = weak.lock()) self->close_connection(conn, "closed locally", CloseKind::LOCAL);
+    });
+  }
+
+  NetworkBuffer* get_buffer(const EndPointAddress& address) {
+    const auto conn = find_connection(address, "get_buffer");
+    detail::BufferPool* pool = nullptr;
+    {
+      const std::lock_guard lock{conn->mutex};
+      pool = conn->send_pool;
+    }
+    if (pool == nullptr) {
+      throw NoBuffersAllocated(fmt::format(
+          "asyncmsg: connection with {} has no send buffers (send_buffered_params.num_buf was 0 "
+          "and shared send buffers are off)",
+          address));
+    }
+    return pool->acquire();
+  }
+
+  NetioStatus send_buffer(const EndPointAddress& address, NetworkBuffer* buffer) {
+    const auto conn = find_connection(address, "send_buffer");
+    detail::BufferPool* pool = nullptr;
+    {
+      const std::lock_guard lock{conn->mutex};
+      pool = conn->send_pool;
+    }
+    if (pool == nullptr || !pool->begin_send(buffer)) {
+      NETIO3_WARN("asyncmsg: send_buffer to {}: not a buffer handed out by get_buffer for this "
+                  "connection (or already sent)",
+                  address);
+      return NetioStatus::FAILED;
+    }
+    const std::size_t size = buffer->size();
+    std::uint8_t* frame = detail::BufferPool::headroom_of(buffer, FRAME_HEADER_SIZE);
+    const auto status = enqueue(conn, size, detail::PendingSend{buffer->id(), buffer},
+                                [&](SendQueue& queue) {
+                                  encode_frame_header(frame, static_cast<std::uint32_t>(size));
+                                  queue.append_ref({frame, FRAME_HEADER_SIZE + size});
+                                });
+    if (status != NetioStatus::OK) pool->abort_send(buffer);
+    return status;
+  }
+
+  NetioStatus send_zero_copy(const EndPointAddress& address, std::span<const iovec> iov,
+                             std::span<const std::uint8_t> header, std::uint64_t key) {
+    const auto conn = find_connection(address, "send_data");
+    if (!header_ok(address, header)) return NetioStatus::FAILED;
+    std::size_t size = header.size();
+    for (const auto& v : iov) size += v.iov_len;
+    return enqueue(conn, size, detail::PendingSend{key, nullptr}, [&](SendQueue& queue) {
+      std::array<std::uint8_t, FRAME_HEADER_SIZE> frame{};
+      encode_frame_header(frame.data(), static_cast<std::uint32_t>(size));
+      const std::array<std::span<const std::uint8_t>, 2> prefix{std::span{frame}, header};
+      queue.append_copy_pieces(prefix);
+      for (const auto& v : iov) {
+        queue.append_ref({static_cast<const std::uint8_t*>(v.iov_base), v.iov_len});
+      }
+    });
+  }
+
+  NetioStatus send_copy(const EndPointAddress& address, std::span<const iovec> iov,
+                        std::span<const std::uint8_t> header, std::uint64_t key) {
+    const auto conn = find_connection(address, "send_data_copy");
+    if (!header_ok(address, header)) return NetioStatus::FAILED;
+    std::size_t size = header.size();
+    for (const auto& v : iov) size += v.iov_len;
+    return enqueue(conn, size, detail::PendingSend{key, nullptr}, [&](SendQueue& queue) {
+      std::array<std::uint8_t, FRAME_HEADER_SIZE> frame{};
+      encode_frame_header(frame.data(), static_cast<std::uint32_t>(size));
+      constexpr std::size_t INLINE = 8;
+      if (iov.size() <= INLINE) {
+        std::array<std::span<const std::uint8_t>, INLINE + 2> pieces{};
+        pieces[0] = frame;
+        pieces[1] = header;
+        for (std::size_t i = 0; i < iov.size(); ++i) {
+          pieces.at(i + 2) = {static_cast<const std::uint8_t*>(iov[i].iov_base), iov[i].iov_len};
+        }
+        queue.append_copy_pieces(std::span{pieces}.first(iov.size() + 2));
+      } else {
+        std::vector<std::span<const std::uint8_t>> pieces;
+        pieces.reserve(iov.size() + 2);
+        pieces.emplace_back(frame);
+        pieces.push_back(header);
+        for (const auto& v : iov) {
+          pieces.emplace_back(static_cast<const std::uint8_t*>(v.iov_base), v.iov_len);
+        }
+        queue.append_copy_pieces(pieces);
+      }
+    });
+  }
+
+ private:
+  // ---- helpers shared by the API ----------------------------------------------------
+
+  std::shared_ptr<Connection> find_connection(const EndPointAddress& address,
+                                              std::string_view api) {
+    {
+      const std::lock_guard lock{m_mutex};
+      const auto it = m_connections.find(address);
+      if (it != m_connections.end()) return it->second;
+    }
+    detail::check_address(address, api);
+    throw UnknownActiveEndpoint(fmt::format("asyncmsg: {}: no connection with {}", api, address));
+  }
+
+  static bool header_ok(const EndPointAddress& address, std::span<const std::uint8_t> header) {
+    if (header.size() <= MAX_HEADER_SIZE) return true;
+    NETIO3_WARN("asyncmsg: send to {}: header_data of {} bytes exceeds the limit of {}", address,
+                header.size(), MAX_HEADER_SIZE);
+    return false;
+  }
+
+  // Accepts one message into the connection's queue (or says why not).
+  template <typename Fill>
+  NetioStatus enqueue(const std::shared_ptr<Connection>& conn, std::size_t size,
+                      detail::PendingSend pending, Fill&& fill) {
+    bool need_flush = false;
+    {
+      const std::lock_guard lock{conn->mutex};
+      if (conn->close_requested.load(std::memory_order_relaxed) || conn->state == State::CLOSED) {
+        return NetioStatus::FAILED;
+      }
+      if (conn->state != State::OPEN) return NetioStatus::NO_RESOURCES;  // still connecting
+      if (size > conn->max_send_message) {
+        NETIO3_WARN("asyncmsg: send to {}: message of {} bytes exceeds the limit of {} bytes",
+                    conn->remote, size, conn->max_send_message);
+        return NetioStatus::FAILED;
+      }
+      if (conn->queue.unsent_bytes() >= m_config.limits.max_unsent_bytes) {
+        return NetioStatus::NO_RESOURCES;
+      }
+      fill(conn->queue);
+      conn->queue.mark(conn->ledger.add(pending));
+      need_flush = !std::exchange(conn->flush_pending, true);
+    }
+    NETIO3_TRACE("asyncmsg: send to {} key={} size={}", conn->remote, pending.key, size);
+    if (need_flush) request_flush(conn);
+    return NetioStatus::OK;
+  }
+
+  void request_flush(const std::shared_ptr<Connection>& conn) {
+    bool was_empty = false;
+    {
+      const std::lock_guard lock{m_flush_mutex};
+      was_empty = m_flush_list.empty();
+      m_flush_list.push_back(conn);
+    }
+    // On the loop thread the prepare hook flushes before the loop sleeps again.
+    if (was_empty && !m_loop->in_loop_thread()) m_flush_signal.fire();
+  }
+
+  void attach_send_pool(Connection& conn) {
+    if (m_shared_send_pool) {
+      conn.send_pool = m_shared_send_pool.get();
+      return;
+    }
+    const auto& tx = conn.params.send_buffered_params;
+    if (tx.num_buf == 0) return;
+    conn.own_send_pool =
+        std::make_unique<detail::BufferPool>(tx.num_buf, tx.buf_size, FRAME_HEADER_SIZE, true);
+    conn.send_pool = conn.own_send_pool.get();
+  }
+
+  [[nodiscard]] static EndpointCapabilities capabilities(const Connection& conn) {
+    return EndpointCapabilities{.send_buffered = conn.send_pool != nullptr,
+                                .send_copy = true,
+                                .send_zero_copy = true,
+                                .receive = true};
+  }
+
+  FdCallback socket_callback(const std::shared_ptr<Connection>& conn) {
+    return [weak = weak_from_this(), weak_conn = std::weak_ptr<Connection>{conn}](std::uint32_t ev) {
+      auto self = weak.lock();
+      auto c = weak_conn.lock();
+      if (self && c) self->on_socket_event(c, ev);
+    };
+  }
+
+  void track_handshake_locked(const std::shared_ptr<Connection>& conn) {
+    m_handshaking.push_back(conn);
+    if (!m_timer_armed) {
+      m_timer_armed = true;
+      m_timer.start(HOUSEKEEPING_PERIOD);
+    }
+  }
+
+  void close_acceptor(Listener& listener) noexcept {
+    const std::lock_guard lock{listener.mutex};
+    if (listener.closed) return;
+    listener.closed = true;
+    listener.fd.close();
+    boost::system::error_code ec;
+    listener.acceptor.close(ec);
+  }
+
+  // Drops a connection without callbacks (backend shutdown).
+  static void abandon(Connection& conn) noexcept {
+    conn.fd.close();
+    {
+      const std::lock_guard lock{conn.mutex};
+      conn.state = State::CLOSED;
+      conn.ledger.cancel_all();
+      conn.queue.clear();
+    }
+    drain_and_close(conn.socket);
+  }
+
+  // ---- loop thread -------------------------------------------------------------------
+
+  void on_acceptable(const std::shared_ptr<Listener>& listener) {
+    for (int i = 0; i < ACCEPTS_PER_EVENT && !m_shut_down; ++i) {
+      tcp::socket socket{*m_io};
+      tcp::endpoint peer;
+      boost::system::error_code ec;
+      {
+        const std::lock_guard lock{listener->mutex};
+        if (listener->closed) return;
+        listener->acceptor.accept(socket, peer, ec);
+      }
+      if (ec == asio::error::would_block || ec == asio::error::try_again) return;
+      if (ec == asio::error::no_descriptors || ec == asio::error::no_buffer_space ||
+          ec == asio::error::no_memory || ec.value() == ENFILE) {
+        pause_listener(listener, ec.message());
+        return;
+      }
+      if (ec) {
+        NETIO3_DEBUG("asyncmsg: accept on {} failed: {}", listener->address, ec.message());
+        continue;
+      }
+      accept_one(listener, std::move(socket), peer);
+    }
+  }
+
+  void pause_listener(const std::shared_ptr<Listener>& listener, const std::string& why) {
+    NETIO3_WARN("asyncmsg: accept on {} failed: {}; pausing accepts for {} ms", listener->address,
+                why, ACCEPT_BACKOFF.count());
+    {
+      const std::lock_guard lock{listener->mutex};
+      if (listener->closed) return;
+      listener->fd.modify(0);
+    }
+    listener->paused = true;
+    listener->resume_at = Clock::now() + ACCEPT_BACKOFF;
+    const std::lock_guard lock{m_mutex};
+    m_paused.push_back(listener);
+    if (!m_timer_armed) {
+      m_timer_armed = true;
+      m_timer.start(HOUSEKEEPING_PERIOD);
+    }
+  }
+
+  void accept_one(const std::shared_ptr<Listener>& listener, tcp::socket socket,
+                  const tcp::endpoint& peer) {
+    boost::system::error_code ec;
+    socket.non_blocking(true, ec);
+    if (!ec) socket.set_option(tcp::no_delay(true), ec);
+    if (ec) {
+      NETIO3_WARN("asyncmsg: cannot configure socket accepted on {}: {}", listener->address,
+                  ec.message());
+      return;
+    }
+    EndPointAddress remote{peer.address().to_string(), peer.port()};
+    auto conn = std::make_shared<Connection>(m_io, remote, listener->params, listener->id,
+                                             State::GREETING, m_max_message,
+                                             Clock::now() + m_config.limits.connect_timeout);
+    conn->socket = std::move(socket);
+    {
+      const std::lock_guard lock{m_mutex};
+      if (!m_listeners.contains(listener->address)) return;  // closed meanwhile
+      if (m_connections.contains(remote)) {
+        NETIO3_WARN("asyncmsg: dropping connection from {}: a connection with that address exists",
+                    remote);
+        return;
+      }
+      conn->fd = m_loop->add_fd(conn->socket.native_handle(), EPOLLIN, socket_callback(conn));
+      m_connections.emplace(remote, conn);
+      track_handshake_locked(conn);
+    }
+    NETIO3_DEBUG("asyncmsg: accepted connection from {} on {}", remote, listener->address);
+    send_greeting(conn);
+  }
+
+  void on_socket_event(const std::shared_ptr<Connection>& conn, std::uint32_t events) {
+    if (m_shut_down || conn->state == State::CLOSED) return;
+    if (conn->state == State::CONNECTING) {
+      on_connect_done(conn);
+      return;
+    }
+    if ((events & (EPOLLIN | EPOLLERR | EPOLLHUP)) != 0) {
+      on_readable(conn);
+      if (m_shut_down || conn->state == State::CLOSED) return;
+    }
+    if ((events & EPOLLOUT) != 0) flush(conn);
+  }
+
+  void on_connect_done(const std::shared_ptr<Connection>& conn) {
+    int err = 0;
+    socklen_t len = sizeof(err);
+    if (::getsockopt(conn->socket.native_handle(), SOL_SOCKET, SO_ERROR, &err, &len) != 0) {
+      err = errno;
+    }
+    if (err != 0) {
+      close_connection(conn, fmt::format("connect failed: {}", errno_text(err)), CloseKind::ERROR);
+      return;
+    }
+    {
+      const std::lock_guard lock{conn->mutex};
+      conn->state = State::GREETING;
+    }
+    conn->fd.modify(EPOLLIN);
+    conn->epollout = false;
+    NETIO3_DEBUG("asyncmsg: TCP connection to {} up, greeting", conn->remote);
+    send_greeting(conn);
+  }
+
+  void send_greeting(const std::shared_ptr<Connection>& conn) {
+    const auto greeting =
+        encode_greeting(Greeting{.max_message_size = static_cast<std::uint32_t>(m_max_message)});
+    {
+      const std::lock_guard lock{conn->mutex};
+      conn->queue.append_copy(greeting);
+      conn->flush_pending = true;
+    }
+    flush(conn);
+  }
+
+  bool on_greeting(const std::shared_ptr<Connection>& conn, const Greeting& greeting) {
+    try {
+      if (!conn->active()) attach_send_pool(*conn);
+    } catch (const std::exception& e) {
+      close_connection(conn, fmt::format("cannot allocate send buffers: {}", e.what()),
+                       CloseKind::ERROR);
+      return false;
+    }
+    {
+      const std::lock_guard lock{conn->mutex};
+      conn->max_send_message = std::min<std::size_t>(m_max_message, greeting.max_message_size);
+      conn->state = State::OPEN;
+    }
+    NETIO3_DEBUG("asyncmsg: {} speaks protocol {}.{}, accepts messages up to {} bytes",
+                 conn->remote, greeting.major, greeting.minor, greeting.max_message_size);
+    m_notifier.established(conn->remote, capabilities(*conn));
+    return still_open(*conn);
+  }
+
+  [[nodiscard]] bool still_open(const Connection& conn) const noexcept {
+    return !m_shut_down && conn.state == State::OPEN &&
+           !conn.close_requested.load(std::memory_order_relaxed);
+  }
+
+  void on_readable(const std::shared_ptr<Connection>& conn) {
+    if (!m_scratch) m_scratch = std::make_unique_for_overwrite<std::uint8_t[]>(SCRATCH_SIZE);
+    const int fd = conn->socket.native_handle();
+    const auto on_greeting_cb = [&](const Greeting& g) { return on_greeting(conn, g); };
+    const auto on_message_cb = [&](std::span<const std::uint8_t> message) {
+      if (conn->state != State::OPEN) return false;
+      m_notifier.data(conn->remote, message);
+      return still_open(*conn);
+    };
+    for (int i = 0; i < READS_PER_EVENT; ++i) {
+      std::span<std::uint8_t> target = conn->decoder.direct_target();
+      const bool direct = !target.empty();
+      if (!direct) target = {m_scratch.get(), SCRATCH_SIZE};
+      const ssize_t n = ::recv(fd, target.data(), target.size(), MSG_DONTWAIT);
+      if (n > 0) {
+        const auto got = static_cast<std::size_t>(n);
+        const auto status =
+            direct ? conn->decoder.commit_direct(got, on_message_cb)
+                   : conn->decoder.feed(target.first(got), on_greeting_cb, on_message_cb);
+        if (m_shut_down || conn->state == State::CLOSED) return;
+        if (status == FrameDecoder::Status::ERROR) {
+          NETIO3_WARN("asyncmsg: closing connection with {}: {}", conn->remote,
+                      conn->decoder.error());
+          close_connection(conn, conn->decoder.error(), CloseKind::ERROR);
+          return;
+        }
+        if (status == FrameDecoder::Status::STOPPED) return;
+        if (got < target.size()) return;  // drained for now
+        continue;
+      }
+      if (n == 0) {
+        close_connection(conn, "peer closed the connection", CloseKind::PEER);
+        return;
+      }
+      const int err = errno;
+      if (err == EAGAIN || err == EWOULDBLOCK) return;
+      if (err == EINTR) continue;
+      close_connection(conn, fmt::format("receive failed: {}", errno_text(err)), CloseKind::ERROR);
+      return;
+    }
+  }
+
+  // Returns true when no connection is waiting to be flushed.
+  bool process_flush_list() {
+    {
+      const std::lock_guard lock{m_flush_mutex};
+      if (m_flush_list.empty()) return true;
+      m_flush_work.swap(m_flush_list);
+    }
+    for (const auto& conn : m_flush_work) {
+      if (m_shut_down) break;
+      flush(conn);
+    }
+    m_flush_work.clear();
+    const std::lock_guard lock{m_flush_mutex};
+    return m_flush_list.empty();
+  }
+
+  void set_epollout(Connection& conn, bool on) {
+    if (conn.epollout == on) return;
+    conn.epollout = on;
+    conn.fd.modify(on ? (EPOLLIN | EPOLLOUT) : EPOLLIN);
+  }
+
+  void flush(const std::shared_ptr<Connection>& conn) {
+    std::array<iovec, MAX_IOV> iov{};
+    std::vector<detail::SendLedger::Ticket> finished;
+    std::vector<detail::PendingSend> completed;
+    for (int round = 0; round < WRITES_PER_FLUSH; ++round) {
+      std::size_t count = 0;
+      {
+        const std::lock_guard lock{conn->mutex};
+        if (conn->state == State::CLOSED) return;
+        count = conn->queue.gather(iov.data(), iov.size(), MAX_WRITE_BYTES);
+        if (count == 0) conn->flush_pending = false;
+      }
+      if (count == 0) {
+        set_epollout(*conn, false);
+        return;
+      }
+      msghdr msg{};
+      msg.msg_iov = iov.data();
+      msg.msg_iovlen = count;
+      const ssize_t n = ::sendmsg(conn->socket.native_handle(), &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+      if (n < 0) {
+        const int err = errno;
+        if (err == EINTR) continue;
+        if (err == EAGAIN || err == EWOULDBLOCK) {
+          set_epollout(*conn, true);
+          return;
+        }
+        close_connection(conn, fmt::format("send failed: {}", errno_text(err)), CloseKind::ERROR);
+        return;
+      }
+      finished.clear();
+      completed.clear();
+      {
+        const std::lock_guard lock{conn->mutex};
+        conn->queue.consume(static_cast<std::size_t>(n), finished);
+        for (const auto ticket : finished) {
+          detail::PendingSend done;
+          if (conn->ledger.complete(ticket, done)) completed.push_back(done);
+        }
+      }
+      for (const auto& done : completed) {
+        if (done.buffer != nullptr) conn->send_pool->release(done.buffer);
+        m_notifier.send_completed(conn->remote, done.key);
+        if (m_shut_down) return;
+      }
+    }
+    // Still data after a full round: give other connections a turn, come back soon.
+    request_flush(conn);
+  }
+
+  void close_connection(const std::shared_ptr<Connection>& conn, std::string_view reason,
+                        CloseKind kind) {
+    if (m_shut_down) {  // the backend is being destroyed: no more callbacks
+      abandon(*conn);
+      return;
+    }
+    State previous{};
+    std::vector<detail::PendingSend> cancelled;
+    {
+      const std::lock_guard lock{conn->mutex};
+      previous = conn->state;
+      if (previous == State::CLOSED) return;
+      conn->state = State::CLOSED;
+      cancelled = conn->ledger.cancel_all();
+      conn->queue.clear();
+      conn->flush_pending = false;
+    }
+    {
+      const std::lock_guard lock{m_mutex};
+      const auto it = m_connections.find(conn->remote);
+      if (it != m_connections.end() && it->second == conn) m_connections.erase(it);
+      std::erase(m_closing, conn);
+    }
+    conn->fd.close();
+    std::vector<std::uint64_t> keys;
+    keys.reserve(cancelled.size());
+    for (const auto& send : cancelled) {
+      if (send.buffer != nullptr) conn->send_pool->release(send.buffer);
+      keys.push_back(send.key);
+    }
+    if (kind == CloseKind::LOCAL && previous == State::OPEN) {
+      linger(*conn);
+    } else {
+      drain_and_close(conn->socket);
+    }
+    if (previous == State::OPEN) {
+      m_notifier.closed(conn->remote, keys, reason);
+    } else if (conn->active()) {
+      if (kind == CloseKind::LOCAL) {
+        m_notifier.closed(conn->remote, keys, reason);
+      } else {
+        m_notifier.refused(conn->remote, reason);
+      }
+    } else {
+      NETIO3_DEBUG("asyncmsg: dropped incoming connection from {} before it was established: {}",
+                   conn->remote, reason);
+    }
+  }
+
+  void linger(Connection& conn) {
+    boost::system::error_code ec;
+    conn.socket.shutdown(tcp::socket::shutdown_send, ec);
+    if (ec) {
+      drain_and_close(conn.socket);
+      return;
+    }
+    const int fd = conn.socket.native_handle();
+    m_lingering.push_back(
+        Lingering{conn.io, std::move(conn.socket), fd, {}, Clock::now() + LINGER_TIMEOUT});
+    auto it = std::prev(m_lingering.end());
+    std::weak_ptr<Backend> weak = weak_from_this();
+    it->fd = m_loop->add_fd(fd, EPOLLIN, [weak, fd](std::uint32_t) {
+      if (auto self = weak.lock()) self->on_lingering_readable(fd);
+    });
+    const std::lock_guard lock{m_mutex};
+    if (!m_timer_armed) {
+      m_timer_armed = true;
+      m_timer.start(HOUSEKEEPING_PERIOD);
+    }
+  }
+
+  void on_lingering_readable(int fd) {
+    if (!m_scratch) m_scratch = std::make_unique_for_overwrite<std::uint8_t[]>(SCRATCH_SIZE);
+    for (int i = 0; i < READS_PER_EVENT; ++i) {
+      const ssize_t n = ::recv(fd, m_scratch.get(), SCRATCH_SIZE, MSG_DONTWAIT);
+      if (n > 0) continue;  // discarded: the application closed this connection
+      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
+      if (n < 0 && errno == EINTR) continue;
+      break;  // EOF or error: the peer is done
+    }
+    const auto it = std::find_if(m_lingering.begin(), m_lingering.end(),
+                                 [fd](const Lingering& l) { return l.native == fd; });
+    if (it == m_lingering.end()) return;
+    it->fd.close();
+    boost::system::error_code ec;
+    it->socket.close(ec);
+    m_lingering.erase(it);
+  }
+
+  void housekeeping() {
+    if (m_shut_down) return;
+    const auto now = Clock::now();
+    std::vector<std::shared_ptr<Connection>> expired;
+    std::vector<std::shared_ptr<Listener>> resume;
+    {
+      const std::lock_guard lock{m_mutex};
+      std::erase_if(m_handshaking, [&](const std::weak_ptr<Connection>& weak) {
+        auto conn = weak.lock();
+        if (!conn) return true;
+        const State state = conn->state;  // written only on this thread
+        if (state == State::OPEN || state == State::CLOSED) return true;
+        if (now < conn->deadline) return false;
+        expired.push_back(std::move(conn));
+        return true;
+      });
+      std::erase_if(m_paused, [&](const std::shared_ptr<Listener>& l) {
+        if (now < l->resume_at) return false;
+        resume.push_back(l);
+        return true;
+      });
+    }
+    for (const auto& conn : expired) {
+      NETIO3_WARN("asyncmsg: connection set-up with {} timed out after {} ms", conn->remote,
+                  m_config.limits.connect_timeout.count());
+      close_connection(conn,
+                       fmt::format("connection set-up timed out after {} ms",
+                                   m_config.limits.connect_timeout.count()),
+                       CloseKind::ERROR);
+    }
+    for (const auto& listener : resume) {
+      const std::lock_guard lock{listener->mutex};
+      if (listener->closed) continue;
+      listener->paused = false;
+      listener->fd.modify(EPOLLIN);
+    }
+    for (auto it = m_lingering.begin(); it != m_lingering.end();) {
+      if (now < it->deadline) {
+        ++it;
+        continue;
+      }
+      it->fd.close();
+      drain_and_close(it->socket);
+      it = m_lingering.erase(it);
+    }
+    const std::lock_guard lock{m_mutex};
+    if (m_handshaking.empty() && m_paused.empty() && m_lingering.empty()) {
+      m_timer_armed = false;
+      m_timer.stop();
+    }
+  }
+
+  const NetworkConfig m_config;
+  const std::shared_ptr<BaseEventLoop> m_loop;
+  const detail::Notifier m_notifier;
+  const std::shared_ptr<asio::io_context> m_io;  // never run: socket services only
+  const std::size_t m_max_message;
+  std::unique_ptr<detail::BufferPool> m_shared_send_pool;
+  std::atomic<bool> m_shut_down{false};
+
+  std::mutex m_mutex;  // the tables below, m_timer_armed
+  std::unordered_map<EndPointAddress, std::shared_ptr<Listener>> m_listeners;
+  std::unordered_map<EndPointAddress, std::shared_ptr<Connection>> m_connections;
+  // Closed by the application, waiting for the loop to finish the close.
+  std::vector<std::shared_ptr<Connection>> m_closing;
+  std::vector<std::weak_ptr<Connection>> m_handshaking;
+  std::vector<std::shared_ptr<Listener>> m_paused;
+  std::uint64_t m_next_listener_id{1};
+  bool m_timer_armed{false};
+
+  std::mutex m_flush_mutex;
+  std::vector<std::shared_ptr<Connection>> m_flush_list;
+
+  // Loop thread only.
+  std::vector<std::shared_ptr<Connection>> m_flush_work;
+  std::unique_ptr<std::uint8_t[]> m_scratch;
+  std::list<Lingering> m_lingering;
+
+  EventSignalHandle m_flush_signal;
+  PrepareHookHandle m_prepare;
+  EventTimerHandle m_timer;
+};
+
+// The public face: forwards to the shared Backend so that a callback running on the loop
+// keeps it alive even if the application destroys this object from inside the callback.
+class AsyncmsgBackend final : public NetworkBackend {
+ public:
+  AsyncmsgBackend(NetworkConfig config, std::shared_ptr<BaseEventLoop> loop)
+      : m_loop{loop}, m_impl{std::make_shared<Backend>(std::move(config), std::move(loop))} {
+    m_impl->start();
+  }
+  AsyncmsgBackend(const AsyncmsgBackend&) = delete;
+  AsyncmsgBackend& operator=(const AsyncmsgBackend&) = delete;
+  AsyncmsgBackend(AsyncmsgBackend&&) = delete;
+  AsyncmsgBackend& operator=(AsyncmsgBackend&&) = delete;
+
+  ~AsyncmsgBackend() override {
+    try {
+      m_loop->run_sync([impl = m_impl] { impl->shutdown(); });
+    } catch (const std::exception& e) {
+      NETIO3_ERROR("asyncmsg: error while destroying the backend: {}", e.what());
+    }
+  }
+
+  EndPointAddress open_listen_endpoint(const EndPointAddress& address,
+                                       const ConnectionParameters& params) override {
+    return m_impl->open_listen_endpoint(address, params);
+  }
+  void open_active_endpoint(const EndPointAddress& address,
+                            const ConnectionParameters& params) override {
+    m_impl->open_active_endpoint(address, params);
+  }
+  void close_listen_endpoint(const EndPointAddress& address) override {
+    m_impl->close_listen_endpoint(address);
+  }
+  void close_active_endpoint(const EndPointAddress& address) override {
+    m_impl->close_active_endpoint(address);
+  }
+  NetworkBuffer* get_buffer(const EndPointAddress& address) override {
+    return m_impl->get_buffer(address);
+  }
+  NetioStatus send_buffer(const EndPointAddress& address, NetworkBuffer* buffer) override {
+    return m_impl->send_buffer(address, buffer);
+  }
+  NetioStatus send_data(const EndPointAddress& address, std::span<std::uint8_t> data,
+                        std::span<const std::uint8_t> header_data, std::uint64_t key) override {
+    const iovec iov{data.data(), data.size()};
+    return m_impl->send_zero_copy(address, std::span{&iov, 1}, header_data, key);
+  }
+  NetioStatus send_data(const EndPointAddress& address, std::span<const iovec> iov,
+                        std::span<const std::uint8_t> header_data, std::uint64_t key) override {
+    return m_impl->send_zero_copy(address, iov, header_data, key);
+  }
+  NetioStatus send_data_copy(const EndPointAddress& address, std::span<const std::uint8_t> data,
+                             std::span<const std::uint8_t> header_data,
+                             std::uint64_t key) override {
+    // iovec's base is non-const by POSIX; send_copy only reads it.
+    const iovec iov{const_cast<std::uint8_t*>(data.data()), data.size()};  // NOLINT
+    return m_impl->send_copy(address, std::span{&iov, 1}, header_data, key);
+  }
+  NetioStatus send_data_copy(const EndPointAddress& address, std::span<const iovec> iov,
+                             std::span<const std::uint8_t> header_data,
+                             std::uint64_t key) override {
+    return m_impl->send_copy(address, iov, header_data, key);
+  }
+  [[nodiscard]] BackendType type() const noexcept override { return BackendType::ASYNCMSG; }
+
+ private:
+  std::shared_ptr<BaseEventLoop> m_loop;
+  std::shared_ptr<Backend> m_impl;
+};
+
+}  // namespace
+
+std::unique_ptr<NetworkBackend> create_backend(NetworkConfig config,
+                                               std::shared_ptr<BaseEventLoop> loop) {
+  return std::make_unique<AsyncmsgBackend>(std::move(config), std::move(loop));
+}
+
+}  // namespace netio3::asyncmsg

@@ -1,0 +1,92 @@
+#pragma once
+
+// The bytes a connection has accepted but not yet handed to the kernel.
+//
+// The queue is a list of segments in stream order. Copied bytes (frame headers, the
+// header_data of zero-copy sends, whole immediate sends) go into staging chunks; when a
+// copy lands right after the previous copied bytes the last segment simply grows, so many
+// small messages leave in one contiguous piece and one system call. Zero-copy payloads and
+// buffered sends are referenced in place.
+//
+// Each accepted message leaves a mark at the stream offset where it ends; once the kernel
+// has taken bytes up to that offset, the mark's ledger ticket completes.
+//
+// Concurrency: appends and consume() run under the connection's lock. gather() fills an
+// iovec array under the lock; the write itself happens after unlocking. That is safe
+// because appends never move or rewrite bytes that gather() has already handed out: chunks
+// are never reallocated, and a growing segment only gains bytes at its end.
+
+#include <sys/uio.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "common/send_ledger.hpp"
+
+namespace netio3::asyncmsg {
+
+class SendQueue {
+ public:
+  // Staging chunks start small and double while the queue keeps growing, up to
+  // MAX_CHUNK; a copy larger than that gets a chunk of its own. When the queue drains, the
+  // last chunk is kept for reuse only if it is at most KEEP_CHUNK, so an idle connection
+  // pins little memory.
+  static constexpr std::size_t MIN_CHUNK = std::size_t{4} << 10U;
+  static constexpr std::size_t MAX_CHUNK = std::size_t{256} << 10U;
+  static constexpr std::size_t KEEP_CHUNK = std::size_t{64} << 10U;
+
+  // Copies bytes into staging.
+  void append_copy(std::span<const std::uint8_t> bytes);
+  // Copies the pieces of one message contiguously (one reservation for all of them).
+  void append_copy_pieces(std::span<const std::span<const std::uint8_t>> pieces);
+  // References caller-owned memory.
+  void append_ref(std::span<const std::uint8_t> bytes);
+  // Marks the end of a message at the current tail.
+  void mark(detail::SendLedger::Ticket ticket);
+
+  // Fills up to max_iov iovecs (at most max_bytes in total) from the head.
+  std::size_t gather(iovec* iov, std::size_t max_iov, std::size_t max_bytes) const;
+  // The kernel took n bytes; appends the tickets of messages now fully written.
+  void consume(std::size_t n, std::vector<detail::SendLedger::Ticket>& finished);
+  // Drops everything (on close).
+  void clear() noexcept;
+
+  [[nodiscard]] bool empty() const noexcept { return m_segments.empty(); }
+  [[nodiscard]] std::uint64_t unsent_bytes() const noexcept { return m_appended - m_written; }
+
+ private:
+  struct Segment {
+    const std::uint8_t* ptr;
+    std::size_t len;
+  };
+  struct Mark {
+    std::uint64_t end;
+    detail::SendLedger::Ticket ticket;
+  };
+  struct Chunk {
+    std::unique_ptr<std::uint8_t[]> mem;
+    std::size_t cap;
+    std::size_t used;
+    // Stream offset after which no segment points into this chunk any more; set when a
+    // newer chunk takes over.
+    std::uint64_t retire_at;
+  };
+
+  std::uint8_t* reserve(std::size_t n);
+  void push_segment(const std::uint8_t* ptr, std::size_t len, bool staged);
+
+  std::deque<Segment> m_segments;
+  std::deque<Mark> m_marks;
+  std::deque<Chunk> m_chunks;
+  std::size_t m_next_chunk{MIN_CHUNK};
+  std::uint64_t m_appended{0};
+  std::uint64_t m_written{0};
+  // True while the last segment ends at the tail of the current staging chunk.
+  bool m_tail_is_staged{false};
+};
+
+}  // namespace netio3::asyncmsg

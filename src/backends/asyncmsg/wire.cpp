@@ -1,0 +1,102 @@
+#include "backends/asyncmsg/wire.hpp"
+
+#include <algorithm>
+
+#include <fmt/format.h>
+
+namespace netio3::asyncmsg {
+namespace {
+// A partial body keeps at least this much room so that small messages split across two
+// reads do not reallocate byte by byte.
+constexpr std::size_t MIN_BODY_CAP = 4096;
+// A body buffer larger than this is freed after its message was delivered, so an idle
+// connection holds no receive memory.
+constexpr std::size_t KEEP_BODY_CAP = 64 * 1024;
+// Step by which a direct read may extend a partial message beyond what arrived so far.
+constexpr std::size_t DIRECT_STEP = std::size_t{1} << 20U;
+}  // namespace
+
+std::array<std::uint8_t, GREETING_SIZE> encode_greeting(const Greeting& greeting) {
+  std::array<std::uint8_t, GREETING_SIZE> out{};
+  std::copy(MAGIC.begin(), MAGIC.end(), out.begin());
+  store_le16(out.data() + 4, greeting.major);
+  store_le16(out.data() + 6, greeting.minor);
+  store_le32(out.data() + 8, greeting.max_message_size);
+  store_le32(out.data() + 12, greeting.flags);
+  return out;
+}
+
+bool FrameDecoder::parse_greeting(const std::uint8_t* p, Greeting& out) {
+  if (!std::equal(MAGIC.begin(), MAGIC.end(), p)) {
+    m_error = fmt::format(
+        "bad greeting: expected magic 4e494f33 (\"NIO3\"), got {:02x}{:02x}{:02x}{:02x}; the peer "
+        "does not speak the netio3 asyncmsg protocol",
+        p[0], p[1], p[2], p[3]);
+    return false;
+  }
+  out.major = load_le16(p + 4);
+  out.minor = load_le16(p + 6);
+  out.max_message_size = load_le32(p + 8);
+  out.flags = load_le32(p + 12);
+  if (out.major != VERSION_MAJOR) {
+    m_error = fmt::format("unsupported protocol version {}.{} (this side speaks {}.{})", out.major,
+                          out.minor, VERSION_MAJOR, VERSION_MINOR);
+    return false;
+  }
+  if (out.max_message_size == 0) {
+    m_error = "bad greeting: peer announces a maximum message size of 0";
+    return false;
+  }
+  return true;
+}
+
+bool FrameDecoder::parse_header(const std::uint8_t* p, std::size_t& length) {
+  const std::uint32_t len = load_le32(p);
+  if (p[4] != FRAME_DATA) {
+    m_error = fmt::format("unknown frame type {} (length field {})", p[4], len);
+    return false;
+  }
+  if ((p[5] | p[6] | p[7]) != 0) {
+    m_error = fmt::format("reserved frame header bytes are not zero ({:02x}{:02x}{:02x})", p[5],
+                          p[6], p[7]);
+    return false;
+  }
+  if (len > m_max_message_size) {
+    m_error = fmt::format("frame declares a message of {} bytes, the limit is {}", len,
+                          m_max_message_size);
+    return false;
+  }
+  length = len;
+  return true;
+}
+
+void FrameDecoder::grow_body(std::size_t wanted) {
+  if (wanted <= m_body_cap) return;
+  // Grow geometrically but never past the (already validated) message length.
+  const std::size_t cap =
+      std::min(m_body_len, std::max({wanted, m_body_cap * 2, MIN_BODY_CAP}));
+  auto next = std::make_unique_for_overwrite<std::uint8_t[]>(cap);
+  if (m_body_have > 0) std::memcpy(next.get(), m_body.get(), m_body_have);
+  m_body = std::move(next);
+  m_body_cap = cap;
+}
+
+void FrameDecoder::release_body() noexcept {
+  m_body_have = 0;
+  m_body_len = 0;
+  if (m_body_cap > KEEP_BODY_CAP) {
+    m_body.reset();
+    m_body_cap = 0;
+  }
+}
+
+std::span<std::uint8_t> FrameDecoder::direct_target() {
+  if (m_stage != Stage::BODY) return {};
+  const std::size_t remaining = m_body_len - m_body_have;
+  if (remaining < DIRECT_MIN) return {};
+  // Room for what has arrived plus one step, so memory follows the bytes that came in.
+  grow_body(std::min(m_body_len, m_body_have + std::max(DIRECT_STEP, m_body_have)));
+  return {m_body.get() + m_body_have, m_body_cap - m_body_have};
+}
+
+}  // namespace netio3::asyncmsg

@@ -1,0 +1,96 @@
+#include "common/buffer_pool.hpp"
+
+#include <cstdlib>
+#include <limits>
+#include <mutex>
+#include <new>
+
+#include <fmt/format.h>
+
+namespace netio3::detail {
+namespace {
+constexpr std::size_t ALIGN = 64;
+constexpr std::size_t PAGE = 4096;
+constexpr std::size_t round_up(std::size_t n, std::size_t a) { return (n + a - 1) / a * a; }
+}  // namespace
+
+void BufferPool::FreeDeleter::operator()(std::uint8_t* p) const noexcept {
+  std::free(p);  // NOLINT(cppcoreguidelines-no-malloc): paired with aligned_alloc
+}
+
+BufferPool::BufferPool(std::size_t num_buf, std::size_t buf_size, std::size_t headroom,
+                       bool thread_safe)
+    : m_buf_size{buf_size}, m_headroom{headroom}, m_mutex{thread_safe} {
+  if (num_buf == 0 || buf_size == 0) {
+    throw std::invalid_argument("buffer pool needs num_buf > 0 and buf_size > 0");
+  }
+  if (num_buf > std::numeric_limits<std::uint32_t>::max()) {
+    throw std::invalid_argument(fmt::format("buffer pool: num_buf {} is too large", num_buf));
+  }
+  const std::size_t stride = round_up(headroom + buf_size, ALIGN);
+  if (stride < buf_size || num_buf > std::numeric_limits<std::size_t>::max() / stride) {
+    throw std::invalid_argument(
+        fmt::format("buffer pool: {} buffers of {} bytes overflow the address space", num_buf,
+                    buf_size));
+  }
+  m_region_size = round_up(num_buf * stride, PAGE);
+  // Not zeroed: untouched pages of a large pool cost no resident memory.
+  auto* mem = static_cast<std::uint8_t*>(std::aligned_alloc(PAGE, m_region_size));
+  if (mem == nullptr) {
+    throw std::bad_alloc();
+  }
+  m_memory.reset(mem);
+  m_state.assign(num_buf, State::FREE);
+  m_free.reserve(num_buf);
+  for (std::size_t i = 0; i < num_buf; ++i) {
+    m_buffers.emplace_back(std::span<std::uint8_t>{mem + i * stride + headroom, buf_size}, i);
+  }
+  for (std::size_t i = num_buf; i-- > 0;) m_free.push_back(static_cast<std::uint32_t>(i));
+}
+
+NetworkBuffer* BufferPool::acquire() noexcept {
+  const std::lock_guard lock{m_mutex};
+  if (m_free.empty()) return nullptr;
+  const auto id = m_free.back();
+  m_free.pop_back();
+  m_state[id] = State::LENT;
+  auto& buffer = m_buffers[id];
+  buffer.clear();
+  return &buffer;
+}
+
+bool BufferPool::owns(const NetworkBuffer* buffer) const noexcept {
+  return buffer != nullptr && buffer->id() < m_buffers.size() && &m_buffers[buffer->id()] == buffer;
+}
+
+bool BufferPool::begin_send(NetworkBuffer* buffer) noexcept {
+  if (!owns(buffer)) return false;
+  const std::lock_guard lock{m_mutex};
+  auto& state = m_state[buffer->id()];
+  if (state != State::LENT) return false;
+  state = State::IN_FLIGHT;
+  return true;
+}
+
+void BufferPool::abort_send(NetworkBuffer* buffer) noexcept {
+  if (!owns(buffer)) return;
+  const std::lock_guard lock{m_mutex};
+  auto& state = m_state[buffer->id()];
+  if (state == State::IN_FLIGHT) state = State::LENT;
+}
+
+void BufferPool::release(NetworkBuffer* buffer) noexcept {
+  if (!owns(buffer)) return;
+  const std::lock_guard lock{m_mutex};
+  const auto id = static_cast<std::uint32_t>(buffer->id());
+  if (m_state[id] == State::FREE) return;
+  m_state[id] = State::FREE;
+  m_free.push_back(id);
+}
+
+std::size_t BufferPool::free_count() const noexcept {
+  const std::lock_guard lock{m_mutex};
+  return m_free.size();
+}
+
+}  // namespace netio3::detail

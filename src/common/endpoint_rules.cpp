@@ -1,0 +1,78 @@
+#include "common/endpoint_rules.hpp"
+
+#include <arpa/inet.h>
+
+#include <array>
+
+#include <fmt/format.h>
+#include <netio3/exceptions.hpp>
+
+namespace netio3::detail {
+
+void check_address(const EndPointAddress& address, std::string_view action) {
+  std::array<unsigned char, sizeof(in6_addr)> buf{};
+  if (address.address.empty()) {
+    throw InvalidEndpointAddress(fmt::format("{}: empty IP address (port {})", action, address.port));
+  }
+  if (::inet_pton(AF_INET, address.address.c_str(), buf.data()) == 1 ||
+      ::inet_pton(AF_INET6, address.address.c_str(), buf.data()) == 1) {
+    return;
+  }
+  throw InvalidEndpointAddress(
+      fmt::format("{}: '{}' is not a numeric IPv4 or IPv6 address (host names are not resolved)",
+                  action, address.address));
+}
+
+void check_config(const NetworkConfig& config) {
+  const auto& rx = config.shared_receive_buffers;
+  if (rx.use_shared_receive_buffers && (rx.num_buf == 0 || rx.buf_size == 0)) {
+    throw InvalidConfiguration(fmt::format(
+        "shared receive buffers need num_buf > 0 and buf_size > 0 (got {} x {})", rx.num_buf,
+        rx.buf_size));
+  }
+  const auto& tx = config.shared_send_buffers;
+  if (tx.use_shared_send_buffers && (tx.num_buf == 0 || tx.buf_size == 0)) {
+    throw InvalidConfiguration(fmt::format(
+        "shared send buffers need num_buf > 0 and buf_size > 0 (got {} x {})", tx.num_buf,
+        tx.buf_size));
+  }
+  if (config.limits.max_message_size == 0) {
+    throw InvalidConfiguration("limits.max_message_size must be > 0");
+  }
+  if (config.limits.max_unsent_bytes == 0) {
+    throw InvalidConfiguration("limits.max_unsent_bytes must be > 0");
+  }
+  if (config.limits.connect_timeout.count() <= 0) {
+    throw InvalidConfiguration("limits.connect_timeout must be > 0");
+  }
+}
+
+void check_connection_parameters(const ConnectionParameters& params, const NetworkConfig& config,
+                                 bool listen_endpoint) {
+  const auto fail = [](std::string_view why) {
+    throw InvalidConnectionParameters(fmt::format("invalid connection parameters: {}", why));
+  };
+  const auto& rx = params.recv_params;
+  if (rx.num_buf > 0 && rx.buf_size == 0) fail("recv_params.num_buf > 0 with buf_size 0");
+  if (rx.use_shared_receive_buffers && !listen_endpoint) {
+    fail("recv_params.use_shared_receive_buffers applies to listen endpoints only");
+  }
+  if (rx.use_shared_receive_buffers && config.shared_receive_buffers.use_shared_receive_buffers) {
+    fail(
+        "recv_params.use_shared_receive_buffers conflicts with the backend-wide shared receive "
+        "buffers");
+  }
+  const auto& tx = params.send_buffered_params;
+  if (tx.num_buf > 0 && tx.buf_size == 0) fail("send_buffered_params.num_buf > 0 with buf_size 0");
+  const auto& shared_tx = config.shared_send_buffers;
+  if (shared_tx.use_shared_send_buffers && tx.num_buf > 0 && tx.buf_size > shared_tx.buf_size) {
+    fail(fmt::format("send_buffered_params.buf_size {} exceeds the shared send buffers' {}",
+                     tx.buf_size, shared_tx.buf_size));
+  }
+  const auto& zc = params.send_zero_copy_params;
+  if (zc.mr_start != nullptr && zc.buf_size == 0) {
+    fail("send_zero_copy_params.mr_start set with buf_size 0");
+  }
+}
+
+}  // namespace netio3::detail

@@ -1,0 +1,38 @@
+#pragma once
+
+// The user's callback table, called on the loop thread with logging around each call.
+// A missing callback is skipped; an exception escaping one is logged and swallowed so that
+// the transport's state (half-parsed streams, key accounting) stays consistent.
+
+#include <cstdint>
+#include <span>
+#include <string_view>
+#include <vector>
+
+#include <netio3/types.hpp>
+
+namespace netio3::detail {
+
+class Notifier {
+ public:
+  Notifier(std::string_view backend_name, const NetworkConfig& config);
+
+  void data(const EndPointAddress& remote, std::span<const std::uint8_t> bytes) const;
+  void established(const EndPointAddress& remote, const EndpointCapabilities& caps) const;
+  void closed(const EndPointAddress& remote, const std::vector<std::uint64_t>& cancelled_keys,
+              std::string_view reason) const;
+  void refused(const EndPointAddress& remote, std::string_view reason) const;
+  void send_completed(const EndPointAddress& remote, std::uint64_t key) const;
+
+  [[nodiscard]] std::string_view name() const noexcept { return m_name; }
+
+ private:
+  std::string_view m_name;
+  OnDataCb m_on_data;
+  OnConnectionEstablishedCb m_on_established;
+  OnConnectionClosedKeysCb m_on_closed;
+  OnConnectionRefusedCb m_on_refused;
+  OnSendCompleted m_on_send_completed;
+};
+
+}  // namespace netio3::detail

@@ -1,0 +1,81 @@
+#pragma once
+
+// The per-connection record of accepted sends: the piece that makes "every send that
+// returned OK ends exactly once" hold for every backend.
+//
+// add() is called when a send is accepted and returns a ticket. The transport later
+// completes tickets (in any order: UCX rendezvous sends may finish after later eager
+// ones) or, on close, cancels everything still open. Once cancel_all() has run the ledger
+// is closed: it accepts no more sends and completes nothing, so no completion can follow
+// the closed callback. Not thread-safe: guarded by the owning connection's lock.
+
+#include <cassert>
+#include <cstdint>
+#include <deque>
+#include <vector>
+
+#include <netio3/network_buffer.hpp>
+
+namespace netio3::detail {
+
+struct PendingSend {
+  std::uint64_t key{};
+  NetworkBuffer* buffer{};  // buffered sends: returned to the pool when the send ends
+};
+
+class SendLedger {
+ public:
+  using Ticket = std::uint64_t;
+
+  [[nodiscard]] bool closed() const noexcept { return m_closed; }
+  [[nodiscard]] std::size_t outstanding() const noexcept { return m_outstanding; }
+
+  Ticket add(PendingSend send) {
+    assert(!m_closed);
+    m_entries.push_back(Entry{send, false});
+    ++m_outstanding;
+    return m_base + m_entries.size() - 1;
+  }
+
+  // Completes one ticket; false (and nothing changes) if it is unknown, already ended, or
+  // the ledger was cancelled.
+  bool complete(Ticket ticket, PendingSend& out) noexcept {
+    if (m_closed || ticket < m_base || ticket - m_base >= m_entries.size()) return false;
+    auto& entry = m_entries[ticket - m_base];
+    if (entry.done) return false;
+    entry.done = true;
+    out = entry.send;
+    --m_outstanding;
+    while (!m_entries.empty() && m_entries.front().done) {
+      m_entries.pop_front();
+      ++m_base;
+    }
+    return true;
+  }
+
+  // Ends every open send as cancelled, in acceptance order, and closes the ledger.
+  std::vector<PendingSend> cancel_all() {
+    std::vector<PendingSend> cancelled;
+    cancelled.reserve(m_outstanding);
+    for (const auto& entry : m_entries) {
+      if (!entry.done) cancelled.push_back(entry.send);
+    }
+    m_base += m_entries.size();
+    m_entries.clear();
+    m_outstanding = 0;
+    m_closed = true;
+    return cancelled;
+  }
+
+ private:
+  struct Entry {
+    PendingSend send;
+    bool done;
+  };
+  std::deque<Entry> m_entries;
+  Ticket m_base{0};  // ticket of m_entries.front()
+  std::size_t m_outstanding{0};
+  bool m_closed{false};
+};
+
+}  // namespace netio3::detail

@@ -1,0 +1,518 @@
+// EpollEventLoop: one epoll instance, level-triggered registrations.
+//
+// Lifetime of registrations: epoll_event.data carries a raw Registration*. A registration
+// is owned by its handle's source object; when it is closed it is removed from epoll and
+// parked in a graveyard that the loop empties just before it calls epoll_wait again. A
+// pointer returned by epoll_wait therefore always points to a live object, and a closed
+// registration's callback is never called (its state is checked before each call).
+
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/timerfd.h>
+#include <unistd.h>
+
+#include <array>
+#include <atomic>
+#include <cerrno>
+#include <condition_variable>
+#include <cstring>
+#include <exception>
+#include <mutex>
+#include <stdexcept>
+#include <system_error>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include <netio3/event_loop.hpp>
+
+#include "common/log.hpp"
+
+namespace netio3 {
+namespace {
+
+[[noreturn]] void throw_errno(const char* what) {
+  throw std::system_error(errno, std::generic_category(), what);
+}
+
+// Calls a user callback; an exception must not unwind through the dispatcher.
+template <typename F, typename... Args>
+void invoke_guarded(const char* what, F& f, Args&&... args) noexcept {
+  try {
+    f(std::forward<Args>(args)...);
+  } catch (const std::exception& e) {
+    NETIO3_ERROR("event loop: exception escaped a {} callback: {}", what, e.what());
+  } catch (...) {
+    NETIO3_ERROR("event loop: unknown exception escaped a {} callback", what);
+  }
+}
+
+enum class RegState : int { NEW, ACTIVE, CLOSED };
+
+struct Registration {
+  explicit Registration(int fd_, FdCallback cb, bool owns) noexcept
+      : fd{fd_}, callback{std::move(cb)}, owns_fd{owns} {}
+  Registration(const Registration&) = delete;
+  Registration& operator=(const Registration&) = delete;
+  Registration(Registration&&) = delete;
+  Registration& operator=(Registration&&) = delete;
+  ~Registration() {
+    if (owns_fd && fd >= 0) ::close(fd);
+  }
+  int fd;
+  FdCallback callback;
+  bool owns_fd;
+  std::atomic<RegState> state{RegState::NEW};
+};
+
+constexpr std::size_t MAX_EVENTS = 128;
+// epoll_event.data of the loop's own wake-up eventfd (registrations are never at address 0).
+constexpr std::uint64_t WAKE_TAG = 0;
+
+}  // namespace
+
+class EpollEventLoop::Impl : public std::enable_shared_from_this<Impl> {
+ public:
+  Impl() {
+    m_epfd = ::epoll_create1(EPOLL_CLOEXEC);
+    if (m_epfd < 0) throw_errno("epoll_create1");
+    m_wake_fd = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    if (m_wake_fd < 0) {
+      const int err = errno;
+      ::close(m_epfd);
+      throw std::system_error(err, std::generic_category(), "eventfd");
+    }
+    epoll_event ev{};
+    ev.events = EPOLLIN;
+    ev.data.u64 = WAKE_TAG;
+    if (::epoll_ctl(m_epfd, EPOLL_CTL_ADD, m_wake_fd, &ev) != 0) {
+      const int err = errno;
+      ::close(m_wake_fd);
+      ::close(m_epfd);
+      throw std::system_error(err, std::generic_category(), "epoll_ctl(wake fd)");
+    }
+  }
+
+  Impl(const Impl&) = delete;
+  Impl& operator=(const Impl&) = delete;
+  Impl(Impl&&) = delete;
+  Impl& operator=(Impl&&) = delete;
+
+  ~Impl() {
+    ::close(m_wake_fd);
+    ::close(m_epfd);
+  }
+
+  void run() {
+    if (m_running.exchange(true)) throw std::logic_error("EpollEventLoop::run: already running");
+    m_loop_thread.store(std::this_thread::get_id());
+    {
+      // Published under the post mutex so that run_sync() sees a consistent state.
+      const std::lock_guard lock{m_post_mutex};
+      m_accepting_sync = true;
+    }
+    std::array<epoll_event, MAX_EVENTS> events{};
+    while (!m_stop.load(std::memory_order_acquire)) {
+      const bool may_sleep = run_prepare_hooks();
+      clear_graveyard();
+      if (m_stop.load(std::memory_order_acquire)) break;
+      const int n = ::epoll_wait(m_epfd, events.data(), static_cast<int>(events.size()),
+                                 may_sleep ? -1 : 0);
+      if (n < 0) {
+        if (errno == EINTR) continue;
+        NETIO3_ERROR("event loop: epoll_wait failed: {}", std::strerror(errno));
+        break;
+      }
+      m_wakeups.fetch_add(1, std::memory_order_relaxed);
+      for (int i = 0; i < n; ++i) {
+        dispatch(events.at(static_cast<std::size_t>(i)));
+        if (m_stop.load(std::memory_order_acquire)) break;
+      }
+    }
+    m_stop.store(false, std::memory_order_release);
+    // Run what was posted before we stopped; run_sync callers waiting on it are released.
+    for (;;) {
+      std::vector<std::function<void()>> tasks;
+      {
+        const std::lock_guard lock{m_post_mutex};
+        if (m_posted.empty()) {
+          m_accepting_sync = false;
+          break;
+        }
+        tasks.swap(m_posted);
+        m_wake_pending = false;
+      }
+      for (auto& task : tasks) invoke_guarded("posted", task);
+    }
+    clear_graveyard();
+    m_loop_thread.store(std::thread::id{});
+    m_running.store(false);
+  }
+
+  void stop() noexcept {
+    m_stop.store(true, std::memory_order_release);
+    wake();
+  }
+
+  [[nodiscard]] bool is_running() const noexcept { return m_running.load(); }
+  [[nodiscard]] bool in_loop_thread() const noexcept {
+    return m_loop_thread.load() == std::this_thread::get_id();
+  }
+
+  void post(std::function<void()> fn) {
+    bool need_wake = false;
+    {
+      const std::lock_guard lock{m_post_mutex};
+      m_posted.push_back(std::move(fn));
+      need_wake = !std::exchange(m_wake_pending, true);
+    }
+    if (need_wake) wake();
+  }
+
+  void run_sync(std::function<void()> fn) {
+    if (in_loop_thread()) {
+      fn();
+      return;
+    }
+    struct Waiter {
+      std::mutex mutex;
+      std::condition_variable cv;
+      bool done{false};
+      std::exception_ptr error;
+    };
+    auto waiter = std::make_shared<Waiter>();
+    bool queued = false;
+    bool need_wake = false;
+    {
+      const std::lock_guard lock{m_post_mutex};
+      if (m_accepting_sync) {
+        m_posted.emplace_back([waiter, &fn] {
+          std::exception_ptr error;
+          try {
+            fn();
+          } catch (...) {
+            error = std::current_exception();
+          }
+          const std::lock_guard wl{waiter->mutex};
+          waiter->error = error;
+          waiter->done = true;
+          waiter->cv.notify_all();
+        });
+        queued = true;
+        need_wake = !std::exchange(m_wake_pending, true);
+      }
+    }
+    if (!queued) {
+      fn();  // loop not running: nothing else dispatches concurrently
+      return;
+    }
+    if (need_wake) wake();
+    std::unique_lock wl{waiter->mutex};
+    waiter->cv.wait(wl, [&] { return waiter->done; });
+    if (waiter->error) std::rethrow_exception(waiter->error);
+  }
+
+  std::shared_ptr<Registration> add(int fd, std::uint32_t events, FdCallback cb, bool owns_fd) {
+    auto reg = std::make_shared<Registration>(fd, std::move(cb), owns_fd);
+    // Release-publish the fully built registration; dispatch() acquires the state.
+    reg->state.store(RegState::ACTIVE, std::memory_order_release);
+    epoll_event ev{};
+    ev.events = events;
+    ev.data.ptr = reg.get();
+    if (::epoll_ctl(m_epfd, EPOLL_CTL_ADD, fd, &ev) != 0) {
+      const int err = errno;
+      reg->state.store(RegState::CLOSED);
+      throw std::system_error(err, std::generic_category(),
+                              fmt::format("epoll_ctl(ADD, fd {})", fd));
+    }
+    return reg;
+  }
+
+  void modify(const std::shared_ptr<Registration>& reg, std::uint32_t events) const {
+    if (reg->state.load(std::memory_order_acquire) != RegState::ACTIVE) return;
+    epoll_event ev{};
+    ev.events = events;
+    ev.data.ptr = reg.get();
+    if (::epoll_ctl(m_epfd, EPOLL_CTL_MOD, reg->fd, &ev) != 0) {
+      throw std::system_error(errno, std::generic_category(),
+                              fmt::format("epoll_ctl(MOD, fd {})", reg->fd));
+    }
+  }
+
+  void remove(std::shared_ptr<Registration> reg) noexcept {
+    RegState expected = RegState::ACTIVE;
+    if (!reg->state.compare_exchange_strong(expected, RegState::CLOSED)) return;
+    // ENOENT/EBADF are harmless here: the fd was already gone.
+    ::epoll_ctl(m_epfd, EPOLL_CTL_DEL, reg->fd, nullptr);
+    const std::lock_guard lock{m_graveyard_mutex};
+    m_graveyard.push_back(std::move(reg));
+  }
+
+  void add_hook(const std::shared_ptr<PrepareHook>& hook) {
+    const std::lock_guard lock{m_hook_mutex};
+    m_hooks.push_back(hook);
+    m_hook_count.store(m_hooks.size(), std::memory_order_release);
+  }
+
+  void remove_hook(const PrepareHook* hook) noexcept {
+    const std::lock_guard lock{m_hook_mutex};
+    std::erase_if(m_hooks, [hook](const auto& h) { return h.get() == hook; });
+    m_hook_count.store(m_hooks.size(), std::memory_order_release);
+  }
+
+  [[nodiscard]] std::uint64_t wakeups() const noexcept {
+    return m_wakeups.load(std::memory_order_relaxed);
+  }
+
+  void wake() const noexcept {
+    const std::uint64_t one = 1;
+    // EAGAIN means the counter is saturated: the loop is awake anyway.
+    [[maybe_unused]] const auto n = ::write(m_wake_fd, &one, sizeof(one));
+  }
+
+ private:
+  void dispatch(const epoll_event& ev) {
+    if (ev.data.u64 == WAKE_TAG) {
+      run_posted();
+      return;
+    }
+    auto* reg = static_cast<Registration*>(ev.data.ptr);
+    if (reg->state.load(std::memory_order_acquire) != RegState::ACTIVE) return;
+    invoke_guarded("fd", reg->callback, ev.events);
+  }
+
+  void run_posted() {
+    std::uint64_t counter = 0;
+    [[maybe_unused]] const auto n = ::read(m_wake_fd, &counter, sizeof(counter));
+    std::vector<std::function<void()>> tasks;
+    {
+      const std::lock_guard lock{m_post_mutex};
+      tasks.swap(m_posted);
+      m_wake_pending = false;
+    }
+    for (auto& task : tasks) {
+      invoke_guarded("posted", task);
+    }
+  }
+
+  bool run_prepare_hooks() {
+    if (m_hook_count.load(std::memory_order_acquire) == 0) return true;
+    std::vector<std::shared_ptr<PrepareHook>> hooks;
+    {
+      const std::lock_guard lock{m_hook_mutex};
+      hooks = m_hooks;
+    }
+    bool may_sleep = true;
+    for (auto& hook : hooks) {
+      bool ok = true;
+      try {
+        ok = (*hook)();
+      } catch (const std::exception& e) {
+        NETIO3_ERROR("event loop: exception escaped a prepare hook: {}", e.what());
+      }
+      may_sleep = may_sleep && ok;
+    }
+    return may_sleep;
+  }
+
+  void clear_graveyard() {
+    std::vector<std::shared_ptr<Registration>> dead;
+    {
+      const std::lock_guard lock{m_graveyard_mutex};
+      dead.swap(m_graveyard);
+    }
+  }
+
+  int m_epfd{-1};
+  int m_wake_fd{-1};
+  std::atomic<bool> m_running{false};
+  std::atomic<bool> m_stop{false};
+  std::atomic<std::thread::id> m_loop_thread{};
+  std::atomic<std::uint64_t> m_wakeups{0};
+
+  std::mutex m_post_mutex;
+  std::vector<std::function<void()>> m_posted;
+  bool m_wake_pending{false};
+  bool m_accepting_sync{false};
+
+  std::mutex m_graveyard_mutex;
+  std::vector<std::shared_ptr<Registration>> m_graveyard;
+
+  std::mutex m_hook_mutex;
+  std::vector<std::shared_ptr<PrepareHook>> m_hooks;
+  std::atomic<std::size_t> m_hook_count{0};
+};
+
+namespace {
+
+// Common part of every source: the registration and a weak reference to the loop, so
+// that a handle that outlives its loop closes harmlessly.
+class SourceBase {
+ public:
+  SourceBase(std::weak_ptr<EpollEventLoop::Impl> loop, std::shared_ptr<Registration> reg)
+      : m_loop{std::move(loop)}, m_reg{std::move(reg)} {}
+
+ protected:
+  void close_registration() noexcept {
+    if (auto loop = m_loop.lock()) {
+      loop->remove(m_reg);
+    } else {
+      m_reg->state.store(RegState::CLOSED);
+    }
+  }
+  [[nodiscard]] const std::shared_ptr<Registration>& reg() const noexcept { return m_reg; }
+  [[nodiscard]] std::shared_ptr<EpollEventLoop::Impl> loop() const { return m_loop.lock(); }
+
+ private:
+  std::weak_ptr<EpollEventLoop::Impl> m_loop;
+  std::shared_ptr<Registration> m_reg;
+};
+
+class EpollFdSource final : public detail::FdSource, SourceBase {
+ public:
+  using SourceBase::SourceBase;
+  ~EpollFdSource() override { close_registration(); }
+  EpollFdSource(const EpollFdSource&) = delete;
+  EpollFdSource& operator=(const EpollFdSource&) = delete;
+  EpollFdSource(EpollFdSource&&) = delete;
+  EpollFdSource& operator=(EpollFdSource&&) = delete;
+  void close() noexcept override { close_registration(); }
+  void modify(std::uint32_t events) override {
+    if (auto l = loop()) l->modify(reg(), events);
+  }
+};
+
+class EpollSignalSource final : public detail::SignalSource, SourceBase {
+ public:
+  using SourceBase::SourceBase;
+  ~EpollSignalSource() override { close_registration(); }
+  EpollSignalSource(const EpollSignalSource&) = delete;
+  EpollSignalSource& operator=(const EpollSignalSource&) = delete;
+  EpollSignalSource(EpollSignalSource&&) = delete;
+  EpollSignalSource& operator=(EpollSignalSource&&) = delete;
+  void close() noexcept override { close_registration(); }
+  void fire() noexcept override {
+    const std::uint64_t one = 1;
+    // The eventfd lives as long as this source, so this never writes to a recycled fd.
+    [[maybe_unused]] const auto n = ::write(reg()->fd, &one, sizeof(one));
+  }
+};
+
+class EpollTimerSource final : public detail::TimerSource, SourceBase {
+ public:
+  using SourceBase::SourceBase;
+  ~EpollTimerSource() override { close_registration(); }
+  EpollTimerSource(const EpollTimerSource&) = delete;
+  EpollTimerSource& operator=(const EpollTimerSource&) = delete;
+  EpollTimerSource(EpollTimerSource&&) = delete;
+  EpollTimerSource& operator=(EpollTimerSource&&) = delete;
+  void close() noexcept override { close_registration(); }
+  void start(std::chrono::milliseconds period) override { arm(period, period); }
+  void start_once(std::chrono::milliseconds delay) override {
+    arm(delay, std::chrono::milliseconds{0});
+  }
+  void stop() override { set(itimerspec{}); }
+
+ private:
+  void arm(std::chrono::milliseconds first, std::chrono::milliseconds period) {
+    if (first.count() <= 0) throw std::invalid_argument("EventTimerHandle: period must be > 0");
+    itimerspec spec{};
+    spec.it_value = to_timespec(first);
+    spec.it_interval = to_timespec(period);
+    set(spec);
+  }
+  void set(const itimerspec& spec) {
+    if (::timerfd_settime(reg()->fd, 0, &spec, nullptr) != 0) throw_errno("timerfd_settime");
+  }
+  static timespec to_timespec(std::chrono::milliseconds ms) {
+    timespec ts{};
+    ts.tv_sec = static_cast<time_t>(ms.count() / 1000);
+    ts.tv_nsec = static_cast<long>((ms.count() % 1000) * 1'000'000);
+    return ts;
+  }
+};
+
+class EpollHookSource final : public detail::EventSource {
+ public:
+  EpollHookSource(std::weak_ptr<EpollEventLoop::Impl> loop, std::shared_ptr<PrepareHook> hook)
+      : m_loop{std::move(loop)}, m_hook{std::move(hook)} {}
+  ~EpollHookSource() override { EpollHookSource::close(); }
+  EpollHookSource(const EpollHookSource&) = delete;
+  EpollHookSource& operator=(const EpollHookSource&) = delete;
+  EpollHookSource(EpollHookSource&&) = delete;
+  EpollHookSource& operator=(EpollHookSource&&) = delete;
+  void close() noexcept override {
+    if (!m_hook) return;
+    if (auto l = m_loop.lock()) l->remove_hook(m_hook.get());
+    m_hook.reset();
+  }
+
+ private:
+  std::weak_ptr<EpollEventLoop::Impl> m_loop;
+  std::shared_ptr<PrepareHook> m_hook;
+};
+
+}  // namespace
+
+EpollEventLoop::EpollEventLoop() : m_impl{std::make_shared<Impl>()} {}
+
+EpollEventLoop::~EpollEventLoop() {
+  if (m_impl->is_running()) {
+    NETIO3_ERROR("EpollEventLoop destroyed while run() is active; call stop() and join first");
+  }
+}
+
+void EpollEventLoop::run() { m_impl->run(); }
+void EpollEventLoop::stop() noexcept { m_impl->stop(); }
+bool EpollEventLoop::is_running() const noexcept { return m_impl->is_running(); }
+bool EpollEventLoop::in_loop_thread() const noexcept { return m_impl->in_loop_thread(); }
+void EpollEventLoop::post(std::function<void()> fn) { m_impl->post(std::move(fn)); }
+void EpollEventLoop::run_sync(std::function<void()> fn) { m_impl->run_sync(std::move(fn)); }
+std::uint64_t EpollEventLoop::wakeups() const noexcept { return m_impl->wakeups(); }
+
+FdHandle EpollEventLoop::add_fd(int fd, std::uint32_t events, FdCallback callback) {
+  if (fd < 0) throw std::invalid_argument("EpollEventLoop::add_fd: negative fd");
+  auto reg = m_impl->add(fd, events, std::move(callback), false);
+  return FdHandle{std::make_shared<EpollFdSource>(m_impl, std::move(reg))};
+}
+
+EventSignalHandle EpollEventLoop::create_signal(std::function<void()> callback) {
+  return create_signal(std::move(callback), false);
+}
+
+EventSignalHandle EpollEventLoop::create_signal(std::function<void()> callback, bool semaphore) {
+  const int efd = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK | (semaphore ? EFD_SEMAPHORE : 0));
+  if (efd < 0) throw_errno("eventfd");
+  FdCallback on_ready = [efd, cb = std::move(callback)](std::uint32_t) {
+    std::uint64_t count = 0;
+    if (::read(efd, &count, sizeof(count)) != static_cast<ssize_t>(sizeof(count))) return;
+    cb();
+  };
+  // The registration owns the eventfd (closes it when destroyed, also if add() throws).
+  auto reg = m_impl->add(efd, EPOLLIN, std::move(on_ready), true);
+  return EventSignalHandle{std::make_shared<EpollSignalSource>(m_impl, std::move(reg))};
+}
+
+EventTimerHandle EpollEventLoop::create_timer(std::function<void()> callback) {
+  const int tfd = ::timerfd_create(CLOCK_MONOTONIC, TFD_CLOEXEC | TFD_NONBLOCK);
+  if (tfd < 0) throw_errno("timerfd_create");
+  FdCallback on_ready = [tfd, cb = std::move(callback)](std::uint32_t) {
+    std::uint64_t expirations = 0;
+    // EAGAIN: the timer was stopped or re-armed after it fired; nothing to report.
+    if (::read(tfd, &expirations, sizeof(expirations)) !=
+        static_cast<ssize_t>(sizeof(expirations))) {
+      return;
+    }
+    cb();
+  };
+  auto reg = m_impl->add(tfd, EPOLLIN, std::move(on_ready), true);
+  return EventTimerHandle{std::make_shared<EpollTimerSource>(m_impl, std::move(reg))};
+}
+
+PrepareHookHandle EpollEventLoop::add_prepare_hook(PrepareHook hook) {
+  auto shared = std::make_shared<PrepareHook>(std::move(hook));
+  m_impl->add_hook(shared);
+  return PrepareHookHandle{std::make_shared<EpollHookSource>(m_impl, std::move(shared))};
+}
+
+}  // namespace netio3
