@@ -11,6 +11,7 @@
 #include <sys/timerfd.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <cerrno>
@@ -129,7 +130,6 @@ class EpollEventLoop::Impl : public std::enable_shared_from_this<Impl> {
         if (m_stop.load(std::memory_order_acquire)) break;
       }
     }
-    m_stop.store(false, std::memory_order_release);
     // Run what was posted before we stopped; run_sync callers waiting on it are released.
     for (;;) {
       std::vector<std::function<void()>> tasks;
@@ -244,6 +244,9 @@ class EpollEventLoop::Impl : public std::enable_shared_from_this<Impl> {
     if (!reg->state.compare_exchange_strong(expected, RegState::CLOSED)) return;
     // ENOENT/EBADF are harmless here: the fd was already gone.
     ::epoll_ctl(m_epfd, EPOLL_CTL_DEL, reg->fd, nullptr);
+    // Without a run() in progress no epoll_wait result can point to it: the registration
+    // (and the fd it owns) goes with its source instead of waiting for the next run().
+    if (!m_running.load()) return;
     const std::lock_guard lock{m_graveyard_mutex};
     m_graveyard.push_back(std::move(reg));
   }
@@ -304,11 +307,18 @@ class EpollEventLoop::Impl : public std::enable_shared_from_this<Impl> {
     }
     bool may_sleep = true;
     for (auto& hook : hooks) {
+      {
+        // Skip a hook closed since the copy was taken (e.g. by an earlier hook).
+        const std::lock_guard lock{m_hook_mutex};
+        if (std::find(m_hooks.begin(), m_hooks.end(), hook) == m_hooks.end()) continue;
+      }
       bool ok = true;
       try {
         ok = (*hook)();
       } catch (const std::exception& e) {
         NETIO3_ERROR("event loop: exception escaped a prepare hook: {}", e.what());
+      } catch (...) {
+        NETIO3_ERROR("event loop: unknown exception escaped a prepare hook");
       }
       may_sleep = may_sleep && ok;
     }

@@ -81,7 +81,7 @@ struct Listener {
   std::shared_ptr<asio::io_context> io;  // outlives the acceptor
   std::mutex mutex;                      // accept (loop) vs close (any thread)
   tcp::acceptor acceptor;
-  FdHandle fd;
+  FdHandle fd;  // guarded by `mutex`
   bool closed{false};
   // Loop thread only.
   bool paused{false};
@@ -111,7 +111,7 @@ struct Connection {
   const std::uint64_t listener_id;  // 0: opened by open_active_endpoint
   std::shared_ptr<asio::io_context> io;
   tcp::socket socket;
-  FdHandle fd;
+  FdHandle fd;  // assigned and used under `mutex` (the loop may use it before add_fd returns)
 
   // Loop thread only.
   FrameDecoder decoder;
@@ -253,12 +253,17 @@ class Backend : public std::enable_shared_from_this<Backend> {
     listener->address = actual;
     std::weak_ptr<Backend> weak = weak_from_this();
     std::weak_ptr<Listener> weak_listener = listener;
-    listener->fd = m_loop->add_fd(listener->acceptor.native_handle(), EPOLLIN,
-                                  [weak, weak_listener](std::uint32_t) {
-                                    auto self = weak.lock();
-                                    auto l = weak_listener.lock();
-                                    if (self && l) self->on_acceptable(l);
-                                  });
+    {
+      // The first event may be dispatched before add_fd returns: publish the handle under
+      // the listener's mutex, which the loop takes before using it.
+      const std::lock_guard listener_lock{listener->mutex};
+      listener->fd = m_loop->add_fd(listener->acceptor.native_handle(), EPOLLIN,
+                                    [weak, weak_listener](std::uint32_t) {
+                                      auto self = weak.lock();
+                                      auto l = weak_listener.lock();
+                                      if (self && l) self->on_acceptable(l);
+                                    });
+    }
     m_listeners.emplace(actual, std::move(listener));
     NETIO3_DEBUG("asyncmsg: listening on {}", actual);
     return actual;
@@ -301,8 +306,13 @@ class Backend : public std::enable_shared_from_this<Backend> {
       });
       return;
     }
-    // Writable = connected or failed; on_socket_event tells which from SO_ERROR.
-    conn->fd = m_loop->add_fd(conn->socket.native_handle(), EPOLLOUT, socket_callback(conn));
+    // Writable = connected or failed; on_socket_event tells which from SO_ERROR. The
+    // event may be dispatched before add_fd returns, so the handle is published under the
+    // connection's mutex, which the loop takes before using it.
+    {
+      const std::lock_guard conn_lock{conn->mutex};
+      conn->fd = m_loop->add_fd(conn->socket.native_handle(), EPOLLOUT, socket_callback(conn));
+    }
     m_connections.emplace(address, conn);
     track_handshake_locked(conn);
     NETIO3_DEBUG("asyncmsg: connecting to {}", address);
@@ -559,9 +569,9 @@ class Backend : public std::enable_shared_from_this<Backend> {
 
   // Drops a connection without callbacks (backend shutdown).
   static void abandon(Connection& conn) noexcept {
-    conn.fd.close();
     {
       const std::lock_guard lock{conn.mutex};
+      conn.fd.close();
       conn.state = State::CLOSED;
       conn.ledger.cancel_all();
       conn.queue.clear();
@@ -636,7 +646,10 @@ class Backend : public std::enable_shared_from_this<Backend> {
                     remote);
         return;
       }
-      conn->fd = m_loop->add_fd(conn->socket.native_handle(), EPOLLIN, socket_callback(conn));
+      {
+        const std::lock_guard conn_lock{conn->mutex};
+        conn->fd = m_loop->add_fd(conn->socket.native_handle(), EPOLLIN, socket_callback(conn));
+      }
       m_connections.emplace(remote, conn);
       track_handshake_locked(conn);
     }
@@ -670,8 +683,8 @@ class Backend : public std::enable_shared_from_this<Backend> {
     {
       const std::lock_guard lock{conn->mutex};
       conn->state = State::GREETING;
+      conn->fd.modify(EPOLLIN);
     }
-    conn->fd.modify(EPOLLIN);
     conn->epollout = false;
     NETIO3_DEBUG("asyncmsg: TCP connection to {} up, greeting", conn->remote);
     send_greeting(conn);
@@ -770,9 +783,10 @@ class Backend : public std::enable_shared_from_this<Backend> {
     return m_flush_list.empty();
   }
 
-  void set_epollout(Connection& conn, bool on) {
+  static void set_epollout(Connection& conn, bool on) {
     if (conn.epollout == on) return;
     conn.epollout = on;
+    const std::lock_guard lock{conn.mutex};
     conn.fd.modify(on ? (EPOLLIN | EPOLLOUT) : EPOLLIN);
   }
 
@@ -785,7 +799,11 @@ class Backend : public std::enable_shared_from_this<Backend> {
       {
         const std::lock_guard lock{conn->mutex};
         if (conn->state == State::CLOSED) return;
-        count = conn->queue.gather(iov.data(), iov.size(), MAX_WRITE_BYTES);
+        // Once the application asked to close, nothing more is handed to the kernel: what
+        // was queued at that moment is reported as cancelled, deterministically.
+        if (!conn->close_requested.load(std::memory_order_relaxed)) {
+          count = conn->queue.gather(iov.data(), iov.size(), MAX_WRITE_BYTES);
+        }
         if (count == 0) conn->flush_pending = false;
       }
       if (count == 0) {
@@ -842,6 +860,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
       cancelled = conn->ledger.cancel_all();
       conn->queue.clear();
       conn->flush_pending = false;
+      conn->fd.close();
     }
     {
       const std::lock_guard lock{m_mutex};
@@ -849,7 +868,6 @@ class Backend : public std::enable_shared_from_this<Backend> {
       if (it != m_connections.end() && it->second == conn) m_connections.erase(it);
       std::erase(m_closing, conn);
     }
-    conn->fd.close();
     std::vector<std::uint64_t> keys;
     keys.reserve(cancelled.size());
     for (const auto& send : cancelled) {

@@ -1,0 +1,299 @@
+// API contract conformance: the documented exceptions and statuses, per backend and
+// thread-safety model.
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <set>
+#include <thread>
+
+#include "conformance.hpp"
+
+namespace netio3::conformance {
+namespace {
+
+struct ApiParam {
+  BackendType backend;
+  ThreadSafetyModel model;
+};
+
+std::string param_name(const testing::TestParamInfo<ApiParam>& info) {
+  return fmt::format("{}_{}", netio3::to_string(info.param.backend),
+                     netio3::to_string(info.param.model));
+}
+
+std::vector<ApiParam> all_params() {
+  std::vector<ApiParam> out;
+  for (const auto backend : backends()) {
+    for (const auto model : {ThreadSafetyModel::SAFE, ThreadSafetyModel::UNSAFE}) {
+      out.push_back({backend, model});
+    }
+  }
+  return out;
+}
+
+class Api : public testing::TestWithParam<ApiParam> {
+ protected:
+  std::unique_ptr<Node> make_node(const std::function<void(NetworkConfig&)>& tweak = {}) {
+    return std::make_unique<Node>(GetParam().backend, GetParam().model, tweak);
+  }
+};
+
+TEST_P(Api, ListenEndpointErrors) {
+  auto node = make_node();
+  auto& b = *node->backend;
+  EXPECT_THROW(node->call([&] { return b.open_listen_endpoint({"not-an-ip", 0}, {}); }),
+               InvalidEndpointAddress);
+  EXPECT_THROW(node->call([&] { return b.open_listen_endpoint({"", 0}, {}); }), InvalidEndpointAddress);
+  EXPECT_THROW(node->call([&] { return b.open_listen_endpoint({"300.1.2.3", 0}, {}); }),
+               InvalidEndpointAddress);
+  const auto listen = node->call([&] { return b.open_listen_endpoint({"127.0.0.1", 0}, receiver_params(BUF_SIZE)); });
+  EXPECT_NE(listen.port, 0) << "port 0 must come back as the port the OS chose";
+  EXPECT_EQ(listen.address, "127.0.0.1");
+  EXPECT_THROW(node->call([&] { return b.open_listen_endpoint(listen, receiver_params(BUF_SIZE)); }),
+               ListenEndpointAlreadyExists);
+  // A port held by someone else.
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);  // NOLINT
+  ASSERT_EQ(::listen(fd, 1), 0);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);  // NOLINT
+  const EndPointAddress taken{"127.0.0.1", ntohs(addr.sin_port)};
+  try {
+    node->call([&] { return b.open_listen_endpoint(taken, receiver_params(BUF_SIZE)); });
+    ADD_FAILURE() << "listening on a port in use must fail";
+  } catch (const FailedOpenListenEndpoint& e) {
+    EXPECT_NE(std::string{e.what()}.find(to_string(taken)), std::string::npos)
+        << "the message names the endpoint: " << e.what();
+  }
+  ::close(fd);
+  EXPECT_THROW(node->call([&] { b.close_listen_endpoint({"127.0.0.1", 1}); }), UnknownListenEndpoint);
+  EXPECT_THROW(node->call([&] { b.close_listen_endpoint({"bogus", 1}); }), InvalidEndpointAddress);
+  node->call([&] { b.close_listen_endpoint(listen); });
+  EXPECT_THROW(node->call([&] { b.close_listen_endpoint(listen); }), UnknownListenEndpoint);
+}
+
+TEST_P(Api, ActiveEndpointErrors) {
+  auto server = make_node();
+  auto node = make_node();
+  auto& b = *node->backend;
+  const auto listen =
+      server->call([&] { return server->backend->open_listen_endpoint({"127.0.0.1", 0}, receiver_params(BUF_SIZE)); });
+  const ConnectionParameters buffered{.send_buffered_params = {.buf_size = BUF_SIZE, .num_buf = NUM_BUF}};
+  EXPECT_THROW(node->call([&] { b.open_active_endpoint({"256.0.0.1", 1}, buffered); }), InvalidEndpointAddress);
+  node->call([&] { b.open_active_endpoint(listen, buffered); });
+  EXPECT_THROW(node->call([&] { b.open_active_endpoint(listen, buffered); }), ActiveEndpointAlreadyExists);
+  ASSERT_TRUE(node->rec.wait([&](const Recorder& r) { return r.count(Kind::ESTABLISHED) == 1; }));
+
+  const EndPointAddress unknown{"127.0.0.1", 1};
+  EXPECT_THROW(node->call([&] { b.close_active_endpoint(unknown); }), UnknownActiveEndpoint);
+  EXPECT_THROW(node->call([&] { b.close_active_endpoint({"x.y", 1}); }), InvalidEndpointAddress);
+  EXPECT_THROW(node->call([&] { return b.get_buffer(unknown); }), UnknownActiveEndpoint);
+  EXPECT_THROW(node->call([&] { return b.send_buffer(unknown, nullptr); }), UnknownActiveEndpoint);
+  std::vector<std::uint8_t> data(8);
+  EXPECT_THROW(node->call([&] { return b.send_data(unknown, data, {}, 1); }), UnknownActiveEndpoint);
+  EXPECT_THROW(node->call([&] { return b.send_data({"nope", 1}, data, {}, 1); }), InvalidEndpointAddress);
+  if (node->traits.copy_supported) {
+    EXPECT_THROW(node->call([&] { return b.send_data_copy(unknown, data, {}, 1); }), UnknownActiveEndpoint);
+  }
+
+  // A buffer that get_buffer did not hand out is FAILED, and ours still works after.
+  std::vector<std::uint8_t> storage(64);
+  NetworkBuffer foreign{storage, 0};
+  EXPECT_EQ(node->call([&] { return b.send_buffer(listen, &foreign); }), NetioStatus::FAILED);
+  EXPECT_EQ(node->call([&] { return b.send_buffer(listen, nullptr); }), NetioStatus::FAILED);
+  NetworkBuffer* mine = node->call([&] { return b.get_buffer(listen); });
+  ASSERT_NE(mine, nullptr);
+  mine->write(std::uint32_t{42});
+  EXPECT_EQ(node->call([&] { return b.send_buffer(listen, mine); }), NetioStatus::OK);
+  // The same buffer twice before it completed is not a buffer we lent out.
+  EXPECT_EQ(node->call([&] { return b.send_buffer(listen, mine); }), NetioStatus::FAILED);
+  ASSERT_TRUE(node->rec.wait([&](const Recorder& r) { return r.count(Kind::COMPLETED) == 1; }));
+  ASSERT_TRUE(server->rec.wait([&](const Recorder& r) { return r.count(Kind::DATA) == 1; }));
+  EXPECT_EQ(server->rec.messages_snapshot().at(0).size(), sizeof(std::uint32_t));
+
+  // Header data is limited to 16 bytes.
+  if (node->traits.copy_supported) {
+    const std::vector<std::uint8_t> header(MAX_HEADER_SIZE + 1);
+    EXPECT_EQ(node->call([&] { return b.send_data_copy(listen, data, header, 9); }), NetioStatus::FAILED);
+  }
+}
+
+TEST_P(Api, GetBufferWithoutBuffersThrowsNoBuffersAllocated) {
+  auto server = make_node();
+  auto node = make_node();
+  const auto listen =
+      server->call([&] { return server->backend->open_listen_endpoint({"127.0.0.1", 0}, receiver_params(BUF_SIZE)); });
+  std::vector<std::uint8_t> region(4096);
+  node->call([&] {
+    node->backend->open_active_endpoint(
+        listen, {.send_zero_copy_params = {.buf_size = region.size(), .mr_start = region.data()}});
+  });
+  ASSERT_TRUE(node->rec.wait([&](const Recorder& r) { return r.count(Kind::ESTABLISHED) == 1; }));
+  EXPECT_THROW(node->call([&] { return node->backend->get_buffer(listen); }), NoBuffersAllocated);
+}
+
+TEST_P(Api, GetBufferRunsDryThenRecoversAfterCompletions) {
+  auto server = make_node();
+  auto node = make_node();
+  const auto listen =
+      server->call([&] { return server->backend->open_listen_endpoint({"127.0.0.1", 0}, receiver_params(BUF_SIZE)); });
+  node->call([&] {
+    node->backend->open_active_endpoint(listen, {.send_buffered_params = {.buf_size = 256, .num_buf = 4}});
+  });
+  ASSERT_TRUE(node->rec.wait([&](const Recorder& r) { return r.count(Kind::ESTABLISHED) == 1; }));
+  std::vector<NetworkBuffer*> lent;
+  for (int i = 0; i < 4; ++i) {
+    lent.push_back(node->call([&] { return node->backend->get_buffer(listen); }));
+    ASSERT_NE(lent.back(), nullptr);
+    EXPECT_EQ(lent.back()->capacity(), 256U);
+    EXPECT_EQ(lent.back()->size(), 0U);
+  }
+  EXPECT_EQ(node->call([&] { return node->backend->get_buffer(listen); }), nullptr);
+  std::set<std::uint64_t> ids;
+  for (auto* buffer : lent) {
+    ids.insert(buffer->id());
+    EXPECT_THROW(buffer->write(std::vector<std::uint8_t>(257)), BufferOverflow);
+    EXPECT_EQ(buffer->size(), 0U) << "an overflowing write writes nothing";
+    buffer->write(std::uint8_t{1});
+    EXPECT_EQ(node->call([&] { return node->backend->send_buffer(listen, buffer); }), NetioStatus::OK);
+  }
+  EXPECT_EQ(ids.size(), 4U) << "four distinct buffers";
+  ASSERT_TRUE(node->rec.wait([&](const Recorder& r) { return r.count(Kind::COMPLETED) == 4; }));
+  std::set<std::uint64_t> completed;
+  for (const auto& e : node->rec.snapshot()) {
+    if (e.kind == Kind::COMPLETED) completed.insert(e.key);
+  }
+  EXPECT_EQ(completed, ids) << "the key of a buffered send is the buffer's id";
+  EXPECT_NE(node->call([&] { return node->backend->get_buffer(listen); }), nullptr);
+}
+
+TEST_P(Api, InvalidConnectionParametersAreRejected) {
+  auto node = make_node([](NetworkConfig& c) {
+    c.shared_send_buffers = {.use_shared_send_buffers = true, .buf_size = 1024, .num_buf = 8};
+  });
+  auto& b = *node->backend;
+  const EndPointAddress somewhere{"127.0.0.1", 9};
+  EXPECT_THROW(node->call([&] { b.open_active_endpoint(somewhere, {.send_buffered_params = {.buf_size = 0, .num_buf = 4}}); }),
+               InvalidConnectionParameters);
+  EXPECT_THROW(node->call([&] { b.open_active_endpoint(somewhere, {.send_buffered_params = {.buf_size = 4096, .num_buf = 4}}); }),
+               InvalidConnectionParameters)
+      << "larger than the shared send buffers";
+  std::uint8_t byte = 0;
+  EXPECT_THROW(node->call([&] { b.open_active_endpoint(somewhere, {.send_zero_copy_params = {.buf_size = 0, .mr_start = &byte}}); }),
+               InvalidConnectionParameters);
+  EXPECT_THROW(node->call([&] { b.open_active_endpoint(somewhere, {.recv_params = {.buf_size = 64, .num_buf = 1, .use_shared_receive_buffers = true}}); }),
+               InvalidConnectionParameters)
+      << "per-listener shared receive buffers make no sense on an active endpoint";
+}
+
+TEST_P(Api, FactoryRejectsBadConfigurationAndLists) {
+  const auto loop = std::make_shared<EpollEventLoop>();
+  NetworkConfig config{.mode = traits(GetParam().backend).mode, .thread_safety = GetParam().model};
+  config.shared_send_buffers = {.use_shared_send_buffers = true, .buf_size = 0, .num_buf = 4};
+  EXPECT_THROW((void)Netio3Backend::create(GetParam().backend, config, loop), InvalidConfiguration);
+  EXPECT_THROW((void)Netio3Backend::create(GetParam().backend, {}, nullptr), std::invalid_argument);
+  EXPECT_TRUE(Netio3Backend::is_available(GetParam().backend));
+  for (const auto type : {BackendType::ASYNCMSG, BackendType::LIBFABRIC, BackendType::UCX}) {
+    if (!Netio3Backend::is_available(type)) {
+      EXPECT_THROW((void)Netio3Backend::create(type, {}, loop), InvalidConfiguration);
+    }
+  }
+}
+
+// Shared send buffers: every connection draws from one pool.
+TEST_P(Api, SharedSendBuffersAreOnePoolForAllConnections) {
+  auto server = make_node();
+  auto node = make_node([](NetworkConfig& c) {
+    c.shared_send_buffers = {.use_shared_send_buffers = true, .buf_size = 512, .num_buf = 3};
+  });
+  const auto a = server->call([&] { return server->backend->open_listen_endpoint({"127.0.0.1", 0}, receiver_params(BUF_SIZE)); });
+  const auto b = server->call([&] { return server->backend->open_listen_endpoint({"127.0.0.1", 0}, receiver_params(BUF_SIZE)); });
+  const ConnectionParameters params{.send_buffered_params = {.buf_size = 512, .num_buf = 1}};
+  node->call([&] { node->backend->open_active_endpoint(a, params); });
+  node->call([&] { node->backend->open_active_endpoint(b, params); });
+  ASSERT_TRUE(node->rec.wait([&](const Recorder& r) { return r.count(Kind::ESTABLISHED) == 2; }));
+  auto* x = node->call([&] { return node->backend->get_buffer(a); });
+  auto* y = node->call([&] { return node->backend->get_buffer(b); });
+  auto* z = node->call([&] { return node->backend->get_buffer(a); });
+  ASSERT_TRUE(x != nullptr && y != nullptr && z != nullptr);
+  EXPECT_EQ(node->call([&] { return node->backend->get_buffer(b); }), nullptr)
+      << "three shared buffers in total, whichever connection asks";
+  for (auto* buf : {x, y, z}) buf->write(std::uint16_t{7});
+  EXPECT_EQ(node->call([&] { return node->backend->send_buffer(a, x); }), NetioStatus::OK);
+  EXPECT_EQ(node->call([&] { return node->backend->send_buffer(b, y); }), NetioStatus::OK);
+  EXPECT_EQ(node->call([&] { return node->backend->send_buffer(b, z); }), NetioStatus::OK)
+      << "a shared buffer may be sent on any connection";
+  ASSERT_TRUE(server->rec.wait([&](const Recorder& r) { return r.count(Kind::DATA) == 3; }));
+  ASSERT_TRUE(node->rec.wait([&](const Recorder& r) { return r.count(Kind::COMPLETED) == 3; }));
+  EXPECT_NE(node->call([&] { return node->backend->get_buffer(b); }), nullptr);
+}
+
+// The documentation's connection example: one backend listens and connects to itself.
+TEST_P(Api, OneBackendCanConnectToItself) {
+  auto node = make_node();
+  const auto listen = node->call([&] {
+    return node->backend->open_listen_endpoint({"127.0.0.1", 0}, {.recv_params = {.buf_size = 4096, .num_buf = 16}});
+  });
+  node->call([&] {
+    node->backend->open_active_endpoint(listen, {.send_buffered_params = {.buf_size = 4096, .num_buf = 16}});
+  });
+  ASSERT_TRUE(node->rec.wait([&](const Recorder& r) { return r.count(Kind::ESTABLISHED) == 2; }));
+  auto* buffer = node->call([&] { return node->backend->get_buffer(listen); });
+  ASSERT_NE(buffer, nullptr);
+  const auto message = test::pattern(3, 777);
+  buffer->write(std::span<const std::uint8_t>{message});
+  EXPECT_EQ(node->call([&] { return node->backend->send_buffer(listen, buffer); }), NetioStatus::OK);
+  ASSERT_TRUE(node->rec.wait([&](const Recorder& r) { return r.count(Kind::DATA) == 1 && r.count(Kind::COMPLETED) == 1; }));
+  EXPECT_EQ(node->rec.messages_snapshot().at(0), message);
+  node->call([&] { node->backend->close_listen_endpoint(listen); });
+  ASSERT_TRUE(node->rec.wait([&](const Recorder& r) { return r.count(Kind::CLOSED) == 2; }))
+      << "the accepted side (closed with its listener) and the active side (closed by the peer)";
+}
+
+// UNSAFE promises calls from the loop thread only; backends that honour it check it.
+TEST_P(Api, UnsafeModelRejectsCallsFromForeignThreadsWhileTheLoopRuns) {
+  if (GetParam().model == ThreadSafetyModel::SAFE) GTEST_SKIP() << "SAFE allows any thread";
+  if (!traits(GetParam().backend).honours_unsafe) {
+    GTEST_SKIP() << netio3::to_string(GetParam().backend) << " is always thread-safe (documented)";
+  }
+  auto node = make_node();
+  EXPECT_THROW((void)node->backend->open_listen_endpoint({"127.0.0.1", 0}, {}), std::logic_error);
+}
+
+// The documented way to drive an UNSAFE backend: a signal fired from another thread runs
+// the send on the loop thread.
+TEST_P(Api, SendingThroughASignalFromAnotherThread) {
+  auto server = make_node();
+  auto node = make_node();
+  const auto listen =
+      server->call([&] { return server->backend->open_listen_endpoint({"127.0.0.1", 0}, receiver_params(BUF_SIZE)); });
+  node->call([&] { node->backend->open_active_endpoint(listen, {.send_buffered_params = {.buf_size = 64, .num_buf = 4}}); });
+  ASSERT_TRUE(node->rec.wait([&](const Recorder& r) { return r.count(Kind::ESTABLISHED) == 1; }));
+  std::atomic<int> sent{0};
+  auto signal = node->loop.loop()->create_signal(
+      [&] {
+        auto* buffer = node->backend->get_buffer(listen);
+        if (buffer == nullptr) return;
+        buffer->write(std::uint32_t{0xC0FFEE});
+        if (node->backend->send_buffer(listen, buffer) == NetioStatus::OK) ++sent;
+      },
+      true);
+  std::jthread firer{[&] {
+    for (int i = 0; i < 3; ++i) signal.fire();
+  }};
+  firer.join();
+  ASSERT_TRUE(server->rec.wait([&](const Recorder& r) { return r.count(Kind::DATA) == 3; }));
+  EXPECT_EQ(sent.load(), 3);
+  node->loop.loop()->run_sync([&] { signal.close(); });
+}
+
+INSTANTIATE_TEST_SUITE_P(Conformance, Api, testing::ValuesIn(all_params()), param_name);
+
+}  // namespace
+}  // namespace netio3::conformance

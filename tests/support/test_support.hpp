@@ -1,0 +1,105 @@
+#pragma once
+
+// Shared test tools. Every wait has a deadline and waits on a condition variable that the
+// callbacks notify; nothing sleeps to synchronise.
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <netio3/netio3.hpp>
+
+namespace netio3::test {
+
+using namespace std::chrono_literals;
+
+// Generous: sanitizer builds on a loaded 2-core CI machine are slow. A passing test never
+// waits this long; only a broken one does.
+inline constexpr std::chrono::milliseconds DEFAULT_TIMEOUT = 30s;
+
+// Number of open file descriptors of this process (/proc/self/fd).
+[[nodiscard]] std::size_t open_fd_count();
+// Resident set size of this process in bytes (/proc/self/statm).
+[[nodiscard]] std::size_t rss_bytes();
+
+// Runs an EpollEventLoop on its own thread; stops and joins on destruction.
+class LoopThread {
+ public:
+  LoopThread();
+  ~LoopThread();
+  LoopThread(const LoopThread&) = delete;
+  LoopThread& operator=(const LoopThread&) = delete;
+  LoopThread(LoopThread&&) = delete;
+  LoopThread& operator=(LoopThread&&) = delete;
+
+  [[nodiscard]] const std::shared_ptr<EpollEventLoop>& loop() const { return m_loop; }
+  void stop();
+
+ private:
+  std::shared_ptr<EpollEventLoop> m_loop;
+  std::jthread m_thread;
+};
+
+// Records every callback of a backend, in order, and lets a test wait for conditions on
+// what was recorded.
+class Recorder {
+ public:
+  enum class Kind { ESTABLISHED, CLOSED, REFUSED, COMPLETED, DATA };
+  struct Event {
+    Kind kind{};
+    EndPointAddress remote{};           // empty for DATA (on_data_cb has no address)
+    std::uint64_t key{};                // COMPLETED
+    std::vector<std::uint64_t> keys{};  // CLOSED
+    EndpointCapabilities caps{};        // ESTABLISHED
+    std::size_t size{};                 // DATA
+    std::thread::id thread{};
+  };
+
+  // A NetworkConfig whose callbacks all feed this recorder. `on_data` (optional) is
+  // called on the loop thread after the message was recorded, e.g. to echo it.
+  [[nodiscard]] NetworkConfig config(ThreadSafetyModel model = ThreadSafetyModel::SAFE,
+                                     NetworkMode mode = NetworkMode::TCP);
+
+  // Called after every recorded event, outside the recorder's lock, on the loop thread.
+  void set_hook(std::function<void(const Event&, std::span<const std::uint8_t>)> hook);
+
+  // Keep copies of received messages (off by default: large tests only count).
+  void keep_data(bool keep) { m_keep_data = keep; }
+
+  // Waits until pred(*this) holds (evaluated under the recorder's lock).
+  bool wait(const std::function<bool(const Recorder&)>& pred,
+            std::chrono::milliseconds timeout = DEFAULT_TIMEOUT);
+
+  // Accessors; call them only inside wait() predicates or after a wait returned, or use
+  // the snapshot() copy.
+  [[nodiscard]] const std::vector<Event>& events() const { return m_events; }
+  [[nodiscard]] const std::vector<std::vector<std::uint8_t>>& messages() const { return m_data; }
+  [[nodiscard]] std::size_t count(Kind kind) const;
+  [[nodiscard]] std::size_t count(Kind kind, const EndPointAddress& remote) const;
+  [[nodiscard]] std::vector<Event> snapshot() const;
+  [[nodiscard]] std::vector<std::vector<std::uint8_t>> messages_snapshot() const;
+  [[nodiscard]] std::uint64_t bytes_received() const;
+
+ private:
+  void record(Event event, std::span<const std::uint8_t> bytes);
+
+  mutable std::mutex m_mutex;
+  std::condition_variable m_cv;
+  std::vector<Event> m_events;
+  std::vector<std::vector<std::uint8_t>> m_data;
+  std::uint64_t m_bytes{0};
+  bool m_keep_data{true};
+  std::function<void(const Event&, std::span<const std::uint8_t>)> m_hook;
+};
+
+// A deterministic byte pattern for message `index` of `size` bytes, and its check.
+[[nodiscard]] std::vector<std::uint8_t> pattern(std::uint64_t index, std::size_t size);
+[[nodiscard]] bool matches_pattern(std::span<const std::uint8_t> bytes, std::uint64_t index);
+
+}  // namespace netio3::test
