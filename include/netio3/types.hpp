@@ -74,7 +74,7 @@ struct SendBufferedParameters {
 };
 
 struct SendZeroCopyParameters {
-  std::size_t buf_size{};          // length of the region starting at mr_start
+  std::size_t buf_size{};           // length of the region starting at mr_start
   std::uint8_t* mr_start{nullptr};  // nullptr: zero-copy sending not requested
 };
 
@@ -108,7 +108,7 @@ using OnConnectionRefusedCb = std::function<void(const EndPointAddress& remote)>
 using OnSendCompleted = std::function<void(const EndPointAddress& remote, std::uint64_t key)>;
 
 inline constexpr std::size_t DEFAULT_MAX_MESSAGE_SIZE = std::size_t{64} << 20U;
-inline constexpr std::size_t DEFAULT_MAX_UNSENT_BYTES = std::size_t{64} << 20U;
+inline constexpr std::size_t DEFAULT_MAX_UNSENT_BYTES = std::size_t{8} << 20U;
 
 // Bounds that protect a process from its peers and from itself. Appended to NetworkConfig
 // after the members fixed by the contract.
@@ -154,14 +154,13 @@ struct fmt::formatter<netio3::EndPointAddress> : fmt::formatter<std::string_view
   }
 };
 
-#define NETIO3_DETAIL_ENUM_FORMATTER(Enum)                                     \
-  template <>                                                                  \
-  struct fmt::formatter<Enum> : fmt::formatter<std::string_view> {             \
-    template <typename FormatContext>                                          \
-    auto format(Enum value, FormatContext& ctx) const {                        \
-      return fmt::formatter<std::string_view>::format(netio3::to_string(value), \
-                                                      ctx);                    \
-    }                                                                          \
+#define NETIO3_DETAIL_ENUM_FORMATTER(Enum)                                            \
+  template <>                                                                         \
+  struct fmt::formatter<Enum> : fmt::formatter<std::string_view> {                    \
+    template <typename FormatContext>                                                 \
+    auto format(Enum value, FormatContext& ctx) const {                               \
+      return fmt::formatter<std::string_view>::format(netio3::to_string(value), ctx); \
+    }                                                                                 \
   };
 
 NETIO3_DETAIL_ENUM_FORMATTER(netio3::BackendType)

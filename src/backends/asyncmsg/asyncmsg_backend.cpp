@@ -12,27 +12,26 @@
 // Lock order: Backend::m_mutex before Connection::mutex before BufferPool's mutex. No user
 // callback is ever called while one of them is held.
 
-#include <utility>  // before Asio: GCC 12 + Boost 1.74 need std::exchange declared first
-
 #include "backends/asyncmsg/asyncmsg_backend.hpp"
-
-#include <netinet/in.h>
-#include <netinet/tcp.h>
-#include <sys/epoll.h>
-#include <sys/socket.h>
 
 #include <algorithm>
 #include <array>
 #include <atomic>
-#include <boost/asio/io_context.hpp>
-#include <boost/asio/ip/tcp.hpp>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
 #include <list>
 #include <mutex>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/epoll.h>
+#include <sys/socket.h>
 #include <unordered_map>
+#include <utility>  // before Asio: GCC 12 + Boost 1.74 need std::exchange declared first
 #include <vector>
+
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/ip/tcp.hpp>
 
 #include "backends/asyncmsg/send_queue.hpp"
 #include "backends/asyncmsg/wire.hpp"
@@ -67,8 +66,12 @@ constexpr auto HOUSEKEEPING_PERIOD = 100ms;
 constexpr auto LINGER_TIMEOUT = 2s;
 // Accepting is paused this long when the process runs out of file descriptors.
 constexpr auto ACCEPT_BACKOFF = 100ms;
+// Staging chunks kept for reuse by the backend's connections (8 MiB).
+constexpr std::size_t CACHED_CHUNKS = 32;
 
-std::string errno_text(int err) { return std::system_category().message(err); }
+std::string errno_text(int err) {
+  return std::system_category().message(err);
+}
 
 struct Listener {
   Listener(std::uint64_t id_, EndPointAddress address_, const ConnectionParameters& params_,
@@ -92,9 +95,10 @@ enum class State { CONNECTING, GREETING, OPEN, CLOSED };
 enum class CloseKind { LOCAL, PEER, ERROR };
 
 struct Connection {
-  Connection(std::shared_ptr<asio::io_context> io_, EndPointAddress remote_,
-             const ConnectionParameters& params_, std::uint64_t listener_id_, State initial,
-             std::size_t max_message_size, Clock::time_point deadline_)
+  Connection(std::shared_ptr<asio::io_context> io_, std::shared_ptr<ChunkCache> chunks,
+             EndPointAddress remote_, const ConnectionParameters& params_,
+             std::uint64_t listener_id_, State initial, std::size_t max_message_size,
+             Clock::time_point deadline_)
       : remote{std::move(remote_)},
         params{params_},
         listener_id{listener_id_},
@@ -102,7 +106,8 @@ struct Connection {
         socket{*io},
         decoder{max_message_size},
         deadline{deadline_},
-        state{initial} {}
+        state{initial},
+        queue{std::move(chunks)} {}
 
   [[nodiscard]] bool active() const noexcept { return listener_id == 0; }
 
@@ -157,6 +162,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
         m_loop{std::move(loop)},
         m_notifier{NAME, m_config},
         m_io{std::make_shared<asio::io_context>(1)},
+        m_chunks{std::make_shared<ChunkCache>(CACHED_CHUNKS)},
         m_max_message{std::min(m_config.limits.max_message_size, WIRE_MAX_MESSAGE_SIZE)} {
     const auto& shared_tx = m_config.shared_send_buffers;
     if (shared_tx.use_shared_send_buffers) {
@@ -228,11 +234,9 @@ class Backend : public std::enable_shared_from_this<Backend> {
     const auto ip = asio::ip::make_address(address.address);
     const std::lock_guard lock{m_mutex};
     if (address.port != 0 && m_listeners.contains(address)) {
-      throw ListenEndpointAlreadyExists(
-          fmt::format("asyncmsg: already listening on {}", address));
+      throw ListenEndpointAlreadyExists(fmt::format("asyncmsg: already listening on {}", address));
     }
-    auto listener =
-        std::make_shared<Listener>(m_next_listener_id++, address, params, m_io);
+    auto listener = std::make_shared<Listener>(m_next_listener_id++, address, params, m_io);
     boost::system::error_code ec;
     const tcp::endpoint endpoint{ip, address.port};
     const auto fail = [&](std::string_view step) {
@@ -240,9 +244,11 @@ class Backend : public std::enable_shared_from_this<Backend> {
           fmt::format("asyncmsg: cannot listen on {}: {} failed: {}", address, step, ec.message()));
     };
     if (listener->acceptor.open(endpoint.protocol(), ec); ec) fail("open");
-    if (listener->acceptor.set_option(tcp::acceptor::reuse_address(true), ec); ec) fail("SO_REUSEADDR");
+    if (listener->acceptor.set_option(tcp::acceptor::reuse_address(true), ec); ec)
+      fail("SO_REUSEADDR");
     if (listener->acceptor.bind(endpoint, ec); ec) fail("bind");
-    if (listener->acceptor.listen(asio::socket_base::max_listen_connections, ec); ec) fail("listen");
+    if (listener->acceptor.listen(asio::socket_base::max_listen_connections, ec); ec)
+      fail("listen");
     if (listener->acceptor.non_blocking(true, ec); ec) fail("non-blocking mode");
     const auto local = listener->acceptor.local_endpoint(ec);
     if (ec) fail("getsockname");
@@ -279,9 +285,9 @@ class Backend : public std::enable_shared_from_this<Backend> {
       throw ActiveEndpointAlreadyExists(
           fmt::format("asyncmsg: a connection with {} already exists", address));
     }
-    auto conn = std::make_shared<Connection>(m_io, address, params, 0, State::CONNECTING,
-                                             m_max_message,
-                                             Clock::now() + m_config.limits.connect_timeout);
+    auto conn =
+        std::make_shared<Connection>(m_io, m_chunks, address, params, 0, State::CONNECTING,
+                                     m_max_message, Clock::now() + m_config.limits.connect_timeout);
     attach_send_pool(*conn);
     boost::system::error_code ec;
     const auto fail = [&](std::string_view step, const std::string& why) {
@@ -399,18 +405,19 @@ class Backend : public std::enable_shared_from_this<Backend> {
       pool = conn->send_pool;
     }
     if (pool == nullptr || !pool->begin_send(buffer)) {
-      NETIO3_WARN("asyncmsg: send_buffer to {}: not a buffer handed out by get_buffer for this "
-                  "connection (or already sent)",
-                  address);
+      NETIO3_WARN(
+          "asyncmsg: send_buffer to {}: not a buffer handed out by get_buffer for this "
+          "connection (or already sent)",
+          address);
       return NetioStatus::FAILED;
     }
     const std::size_t size = buffer->size();
     std::uint8_t* frame = detail::BufferPool::headroom_of(buffer, FRAME_HEADER_SIZE);
-    const auto status = enqueue(conn, size, detail::PendingSend{buffer->id(), buffer},
-                                [&](SendQueue& queue) {
-                                  encode_frame_header(frame, static_cast<std::uint32_t>(size));
-                                  queue.append_ref({frame, FRAME_HEADER_SIZE + size});
-                                });
+    const auto status =
+        enqueue(conn, size, detail::PendingSend{buffer->id(), buffer}, [&](SendQueue& queue) {
+          encode_frame_header(frame, static_cast<std::uint32_t>(size));
+          queue.append_ref({frame, FRAME_HEADER_SIZE + size});
+        });
     if (status != NetioStatus::OK) pool->abort_send(buffer);
     return status;
   }
@@ -543,11 +550,12 @@ class Backend : public std::enable_shared_from_this<Backend> {
   }
 
   FdCallback socket_callback(const std::shared_ptr<Connection>& conn) {
-    return [weak = weak_from_this(), weak_conn = std::weak_ptr<Connection>{conn}](std::uint32_t ev) {
-      auto self = weak.lock();
-      auto c = weak_conn.lock();
-      if (self && c) self->on_socket_event(c, ev);
-    };
+    return
+        [weak = weak_from_this(), weak_conn = std::weak_ptr<Connection>{conn}](std::uint32_t ev) {
+          auto self = weak.lock();
+          auto c = weak_conn.lock();
+          if (self && c) self->on_socket_event(c, ev);
+        };
   }
 
   void track_handshake_locked(const std::shared_ptr<Connection>& conn) {
@@ -634,7 +642,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
       return;
     }
     EndPointAddress remote{peer.address().to_string(), peer.port()};
-    auto conn = std::make_shared<Connection>(m_io, remote, listener->params, listener->id,
+    auto conn = std::make_shared<Connection>(m_io, m_chunks, remote, listener->params, listener->id,
                                              State::GREETING, m_max_message,
                                              Clock::now() + m_config.limits.connect_timeout);
     conn->socket = std::move(socket);
@@ -989,6 +997,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
   const std::shared_ptr<BaseEventLoop> m_loop;
   const detail::Notifier m_notifier;
   const std::shared_ptr<asio::io_context> m_io;  // never run: socket services only
+  const std::shared_ptr<ChunkCache> m_chunks;
   const std::size_t m_max_message;
   std::unique_ptr<detail::BufferPool> m_shared_send_pool;
   std::atomic<bool> m_shut_down{false};

@@ -10,21 +10,32 @@ namespace {
 constexpr std::uint64_t NOT_RETIRED = std::numeric_limits<std::uint64_t>::max();
 }
 
-std::uint8_t* SendQueue::reserve(std::size_t n) {
-  if (!m_chunks.empty()) {
-    auto& tail = m_chunks.back();
-    if (tail.cap - tail.used >= n) {
-      std::uint8_t* p = tail.mem.get() + tail.used;
-      tail.used += n;
-      return p;
+std::unique_ptr<std::uint8_t[]> ChunkCache::take() {
+  {
+    const std::lock_guard lock{m_mutex};
+    if (!m_free.empty()) {
+      auto chunk = std::move(m_free.back());
+      m_free.pop_back();
+      return chunk;
     }
-    tail.retire_at = m_appended;
   }
-  const std::size_t cap = std::max(n, m_next_chunk);
-  m_next_chunk = std::min(m_next_chunk * 2, MAX_CHUNK);
-  m_chunks.push_back(Chunk{std::make_unique_for_overwrite<std::uint8_t[]>(cap), cap, n, NOT_RETIRED});
-  m_tail_is_staged = false;  // a new chunk is never contiguous with the last segment
-  return m_chunks.back().mem.get();
+  return std::make_unique_for_overwrite<std::uint8_t[]>(CHUNK_SIZE);
+}
+
+void ChunkCache::give(std::unique_ptr<std::uint8_t[]> chunk) noexcept {
+  const std::lock_guard lock{m_mutex};
+  if (m_free.size() < m_max_cached) m_free.push_back(std::move(chunk));
+  // else: freed here, outside the cache's bound
+}
+
+std::size_t ChunkCache::cached() const {
+  const std::lock_guard lock{m_mutex};
+  return m_free.size();
+}
+
+void SendQueue::release(Chunk& chunk) noexcept {
+  if (m_cache) m_cache->give(std::move(chunk.mem));
+  chunk.mem.reset();
 }
 
 void SendQueue::push_segment(const std::uint8_t* ptr, std::size_t len, bool staged) {
@@ -42,25 +53,32 @@ void SendQueue::push_segment(const std::uint8_t* ptr, std::size_t len, bool stag
   m_tail_is_staged = staged;
 }
 
+void SendQueue::copy_bytes(const std::uint8_t* src, std::size_t n) {
+  while (n > 0) {
+    if (m_chunks.empty() || m_chunks.back().used == CHUNK_SIZE) {
+      if (!m_chunks.empty()) m_chunks.back().retire_at = m_appended;
+      m_chunks.push_back(Chunk{
+          m_cache ? m_cache->take() : std::make_unique_for_overwrite<std::uint8_t[]>(CHUNK_SIZE), 0,
+          NOT_RETIRED});
+      m_tail_is_staged = false;  // a new chunk is never contiguous with the last segment
+    }
+    auto& tail = m_chunks.back();
+    const std::size_t take = std::min(n, CHUNK_SIZE - tail.used);
+    std::uint8_t* dst = tail.mem.get() + tail.used;
+    std::memcpy(dst, src, take);
+    tail.used += take;
+    push_segment(dst, take, true);
+    src += take;
+    n -= take;
+  }
+}
+
 void SendQueue::append_copy(std::span<const std::uint8_t> bytes) {
-  if (bytes.empty()) return;
-  std::uint8_t* dst = reserve(bytes.size());
-  std::memcpy(dst, bytes.data(), bytes.size());
-  push_segment(dst, bytes.size(), true);
+  if (!bytes.empty()) copy_bytes(bytes.data(), bytes.size());
 }
 
 void SendQueue::append_copy_pieces(std::span<const std::span<const std::uint8_t>> pieces) {
-  std::size_t total = 0;
-  for (const auto& piece : pieces) total += piece.size();
-  if (total == 0) return;
-  std::uint8_t* dst = reserve(total);
-  std::uint8_t* out = dst;
-  for (const auto& piece : pieces) {
-    if (piece.empty()) continue;
-    std::memcpy(out, piece.data(), piece.size());
-    out += piece.size();
-  }
-  push_segment(dst, total, true);
+  for (const auto& piece : pieces) append_copy(piece);
 }
 
 void SendQueue::append_ref(std::span<const std::uint8_t> bytes) {
@@ -78,7 +96,7 @@ std::size_t SendQueue::gather(iovec* iov, std::size_t max_iov, std::size_t max_b
     if (count == max_iov || bytes >= max_bytes) break;
     const std::size_t len = std::min(seg.len, max_bytes - bytes);
     // iovec's base is non-const by POSIX; the kernel only reads it for a send.
-    iov[count].iov_base = const_cast<std::uint8_t*>(seg.ptr);  // NOLINT(cppcoreguidelines-pro-type-const-cast)
+    iov[count].iov_base = const_cast<std::uint8_t*>(seg.ptr);  // NOLINT
     iov[count].iov_len = len;
     ++count;
     bytes += len;
@@ -99,23 +117,26 @@ void SendQueue::consume(std::size_t n, std::vector<detail::SendLedger::Ticket>& 
     n -= seg.len;
     m_segments.pop_front();
   }
-  if (m_segments.empty()) m_tail_is_staged = false;
   while (!m_marks.empty() && m_marks.front().end <= m_written) {
     finished.push_back(m_marks.front().ticket);
     m_marks.pop_front();
   }
-  while (!m_chunks.empty() && m_chunks.front().retire_at <= m_written) m_chunks.pop_front();
-  if (m_segments.empty() && !m_chunks.empty()) {
-    // Everything was written: the current chunk can be rewound instead of freed.
-    auto& tail = m_chunks.back();
-    tail.used = 0;
-    if (tail.cap > KEEP_CHUNK) m_chunks.pop_back();
+  while (!m_chunks.empty() && m_chunks.front().retire_at <= m_written) {
+    release(m_chunks.front());
+    m_chunks.pop_front();
+  }
+  if (m_segments.empty()) {
+    // Drained: the current chunk goes back to the cache too; an idle queue holds nothing.
+    for (auto& chunk : m_chunks) release(chunk);
+    m_chunks.clear();
+    m_tail_is_staged = false;
   }
 }
 
 void SendQueue::clear() noexcept {
   m_segments.clear();
   m_marks.clear();
+  for (auto& chunk : m_chunks) release(chunk);
   m_chunks.clear();
   m_written = m_appended;
   m_tail_is_staged = false;

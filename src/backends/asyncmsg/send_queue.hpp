@@ -16,32 +16,54 @@
 // because appends never move or rewrite bytes that gather() has already handed out: chunks
 // are never reallocated, and a growing segment only gains bytes at its end.
 
-#include <sys/uio.h>
-
 #include <cstddef>
 #include <cstdint>
 #include <deque>
 #include <memory>
+#include <mutex>
 #include <span>
+#include <sys/uio.h>
 #include <vector>
 
 #include "common/send_ledger.hpp"
 
 namespace netio3::asyncmsg {
 
+// Staging memory shared by the connections of one backend: equally sized chunks, kept
+// (up to a bound) when a connection's queue drains, so a busy connection never goes back
+// to malloc and an idle one holds no staging memory. Thread-safe.
+class ChunkCache {
+ public:
+  static constexpr std::size_t CHUNK_SIZE = std::size_t{256} << 10U;
+
+  explicit ChunkCache(std::size_t max_cached) : m_max_cached{max_cached} {}
+
+  [[nodiscard]] std::unique_ptr<std::uint8_t[]> take();
+  void give(std::unique_ptr<std::uint8_t[]> chunk) noexcept;
+  [[nodiscard]] std::size_t cached() const;
+
+ private:
+  mutable std::mutex m_mutex;
+  std::vector<std::unique_ptr<std::uint8_t[]>> m_free;
+  std::size_t m_max_cached;
+};
+
 class SendQueue {
  public:
-  // Staging chunks start small and double while the queue keeps growing, up to
-  // MAX_CHUNK; a copy larger than that gets a chunk of its own. When the queue drains, the
-  // last chunk is kept for reuse only if it is at most KEEP_CHUNK, so an idle connection
-  // pins little memory.
-  static constexpr std::size_t MIN_CHUNK = std::size_t{4} << 10U;
-  static constexpr std::size_t MAX_CHUNK = std::size_t{256} << 10U;
-  static constexpr std::size_t KEEP_CHUNK = std::size_t{64} << 10U;
+  static constexpr std::size_t CHUNK_SIZE = ChunkCache::CHUNK_SIZE;
 
-  // Copies bytes into staging.
+  // Without a cache, chunks are allocated and freed directly (tests).
+  explicit SendQueue(std::shared_ptr<ChunkCache> cache = nullptr) : m_cache{std::move(cache)} {}
+  SendQueue(const SendQueue&) = delete;
+  SendQueue& operator=(const SendQueue&) = delete;
+  SendQueue(SendQueue&&) = delete;
+  SendQueue& operator=(SendQueue&&) = delete;
+  ~SendQueue() { clear(); }
+
+  // Copies bytes into staging; a copy larger than the room left continues in the next
+  // chunk (a segment never crosses a chunk boundary).
   void append_copy(std::span<const std::uint8_t> bytes);
-  // Copies the pieces of one message contiguously (one reservation for all of them).
+  // Copies the pieces of one message back to back.
   void append_copy_pieces(std::span<const std::span<const std::uint8_t>> pieces);
   // References caller-owned memory.
   void append_ref(std::span<const std::uint8_t> bytes);
@@ -50,13 +72,15 @@ class SendQueue {
 
   // Fills up to max_iov iovecs (at most max_bytes in total) from the head.
   std::size_t gather(iovec* iov, std::size_t max_iov, std::size_t max_bytes) const;
-  // The kernel took n bytes; appends the tickets of messages now fully written.
+  // The kernel took n bytes; appends the tickets of messages now fully written. Chunks
+  // no segment points into any more go back to the cache.
   void consume(std::size_t n, std::vector<detail::SendLedger::Ticket>& finished);
   // Drops everything (on close).
   void clear() noexcept;
 
   [[nodiscard]] bool empty() const noexcept { return m_segments.empty(); }
   [[nodiscard]] std::uint64_t unsent_bytes() const noexcept { return m_appended - m_written; }
+  [[nodiscard]] std::size_t chunks() const noexcept { return m_chunks.size(); }
 
  private:
   struct Segment {
@@ -69,20 +93,20 @@ class SendQueue {
   };
   struct Chunk {
     std::unique_ptr<std::uint8_t[]> mem;
-    std::size_t cap;
     std::size_t used;
     // Stream offset after which no segment points into this chunk any more; set when a
     // newer chunk takes over.
     std::uint64_t retire_at;
   };
 
-  std::uint8_t* reserve(std::size_t n);
+  void copy_bytes(const std::uint8_t* src, std::size_t n);
   void push_segment(const std::uint8_t* ptr, std::size_t len, bool staged);
+  void release(Chunk& chunk) noexcept;
 
+  std::shared_ptr<ChunkCache> m_cache;
   std::deque<Segment> m_segments;
   std::deque<Mark> m_marks;
   std::deque<Chunk> m_chunks;
-  std::size_t m_next_chunk{MIN_CHUNK};
   std::uint64_t m_appended{0};
   std::uint64_t m_written{0};
   // True while the last segment ends at the tail of the current staging chunk.

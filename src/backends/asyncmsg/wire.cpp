@@ -73,8 +73,7 @@ bool FrameDecoder::parse_header(const std::uint8_t* p, std::size_t& length) {
 void FrameDecoder::grow_body(std::size_t wanted) {
   if (wanted <= m_body_cap) return;
   // Grow geometrically but never past the (already validated) message length.
-  const std::size_t cap =
-      std::min(m_body_len, std::max({wanted, m_body_cap * 2, MIN_BODY_CAP}));
+  const std::size_t cap = std::min(m_body_len, std::max({wanted, m_body_cap * 2, MIN_BODY_CAP}));
   auto next = std::make_unique_for_overwrite<std::uint8_t[]>(cap);
   if (m_body_have > 0) std::memcpy(next.get(), m_body.get(), m_body_have);
   m_body = std::move(next);

@@ -75,7 +75,7 @@ class FrameDecoder {
 
   explicit FrameDecoder(std::size_t max_message_size) noexcept
       : m_max_message_size{max_message_size < WIRE_MAX_MESSAGE_SIZE ? max_message_size
-                                                                     : WIRE_MAX_MESSAGE_SIZE} {}
+                                                                    : WIRE_MAX_MESSAGE_SIZE} {}
 
   // Consumes all of `bytes` (unless a callback stops it or the input is malformed).
   // on_greeting(const Greeting&) -> bool and on_message(std::span<const std::uint8_t>) ->

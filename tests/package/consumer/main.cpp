@@ -1,0 +1,47 @@
+// Sends one message through the default backend to itself; exit status 0 if it arrived.
+#include <netio3/netio3.hpp>
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <mutex>
+#include <thread>
+
+int main() {
+  using namespace netio3;
+  std::mutex mutex;
+  std::condition_variable cv;
+  std::vector<std::uint8_t> received;
+  bool got = false;
+  auto loop = std::make_shared<EpollEventLoop>();
+  auto backend = Netio3Backend::create(
+      BackendType::ASYNCMSG,
+      {.mode = NetworkMode::TCP,
+       .thread_safety = ThreadSafetyModel::SAFE,
+       .on_data_cb =
+           [&](std::span<const std::uint8_t> data) {
+             const std::lock_guard lock{mutex};
+             received.assign(data.begin(), data.end());
+             got = true;
+             cv.notify_all();
+           }},
+      loop);
+  std::jthread thread{[&] { loop->run(); }};
+  const auto listen = backend->open_listen_endpoint({"127.0.0.1", 0}, {});
+  backend->open_active_endpoint(listen, {});
+  const std::vector<std::uint8_t> payload{'h', 'i'};
+  const std::vector<std::uint8_t> header{'>'};
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds{10};
+  while (backend->send_data_copy(listen, payload, header, 1) == NetioStatus::NO_RESOURCES) {
+    if (std::chrono::steady_clock::now() > deadline) return 1;
+    std::this_thread::yield();  // still connecting
+  }
+  std::unique_lock lock{mutex};
+  const bool ok = cv.wait_until(lock, deadline, [&] { return got; }) &&
+                  received == std::vector<std::uint8_t>{'>', 'h', 'i'};
+  std::printf("consumer: %s %s\n", ok ? "received" : "MISSING", fmt::format("{}", listen).c_str());
+  lock.unlock();
+  backend.reset();
+  loop->stop();
+  return ok ? 0 : 1;
+}
