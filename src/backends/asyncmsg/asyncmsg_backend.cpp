@@ -764,12 +764,22 @@ class Backend : public std::enable_shared_from_this<Backend> {
         continue;
       }
       if (n == 0) {
-        close_connection(conn, "peer closed the connection", CloseKind::PEER);
+        if (conn->decoder.mid_item()) {
+          // Abnormal: the peer vanished in the middle of a message; the part is dropped.
+          NETIO3_WARN("asyncmsg: connection with {} closed by the peer in the middle of a message",
+                      conn->remote);
+          close_connection(conn, "peer closed the connection in the middle of a message",
+                           CloseKind::PEER);
+        } else {
+          close_connection(conn, "peer closed the connection", CloseKind::PEER);
+        }
         return;
       }
       const int err = errno;
       if (err == EAGAIN || err == EWOULDBLOCK) return;
       if (err == EINTR) continue;
+      NETIO3_WARN("asyncmsg: connection with {}: receive failed: {}", conn->remote,
+                  errno_text(err));
       close_connection(conn, fmt::format("receive failed: {}", errno_text(err)), CloseKind::ERROR);
       return;
     }
@@ -829,6 +839,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
           set_epollout(*conn, true);
           return;
         }
+        NETIO3_WARN("asyncmsg: connection with {}: send failed: {}", conn->remote, errno_text(err));
         close_connection(conn, fmt::format("send failed: {}", errno_text(err)), CloseKind::ERROR);
         return;
       }

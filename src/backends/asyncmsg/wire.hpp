@@ -95,6 +95,10 @@ class FrameDecoder {
 
   [[nodiscard]] const std::string& error() const noexcept { return m_error; }
   [[nodiscard]] bool greeted() const noexcept { return m_stage != Stage::GREETING; }
+  // True while a greeting, frame header or message has been started but not completed.
+  [[nodiscard]] bool mid_item() const noexcept {
+    return m_small_have > 0 || m_stage == Stage::BODY;
+  }
   // Bytes held for an incomplete message (for memory accounting and tests).
   [[nodiscard]] std::size_t buffered_capacity() const noexcept { return m_body_cap; }
   [[nodiscard]] std::size_t max_message_size() const noexcept { return m_max_message_size; }
