@@ -6,11 +6,6 @@
 // pointer returned by epoll_wait therefore always points to a live object, and a closed
 // registration's callback is never called (its state is checked before each call).
 
-#include <sys/epoll.h>
-#include <sys/eventfd.h>
-#include <sys/timerfd.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <array>
 #include <atomic>
@@ -20,8 +15,12 @@
 #include <exception>
 #include <mutex>
 #include <stdexcept>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/timerfd.h>
 #include <system_error>
 #include <thread>
+#include <unistd.h>
 #include <utility>
 #include <vector>
 
@@ -117,8 +116,8 @@ class EpollEventLoop::Impl : public std::enable_shared_from_this<Impl> {
       const bool may_sleep = run_prepare_hooks();
       clear_graveyard();
       if (m_stop.load(std::memory_order_acquire)) break;
-      const int n = ::epoll_wait(m_epfd, events.data(), static_cast<int>(events.size()),
-                                 may_sleep ? -1 : 0);
+      const int n =
+          ::epoll_wait(m_epfd, events.data(), static_cast<int>(events.size()), may_sleep ? -1 : 0);
       if (n < 0) {
         if (errno == EINTR) continue;
         NETIO3_ERROR("event loop: epoll_wait failed: {}", std::strerror(errno));
@@ -130,6 +129,7 @@ class EpollEventLoop::Impl : public std::enable_shared_from_this<Impl> {
         if (m_stop.load(std::memory_order_acquire)) break;
       }
     }
+    m_stop.store(false, std::memory_order_release);
     // Run what was posted before we stopped; run_sync callers waiting on it are released.
     for (;;) {
       std::vector<std::function<void()>> tasks;
@@ -194,7 +194,7 @@ class EpollEventLoop::Impl : public std::enable_shared_from_this<Impl> {
             error = std::current_exception();
           }
           const std::lock_guard wl{waiter->mutex};
-          waiter->error = error;
+          waiter->error = std::move(error);
           waiter->done = true;
           waiter->cv.notify_all();
         });
@@ -209,7 +209,12 @@ class EpollEventLoop::Impl : public std::enable_shared_from_this<Impl> {
     if (need_wake) wake();
     std::unique_lock wl{waiter->mutex};
     waiter->cv.wait(wl, [&] { return waiter->done; });
-    if (waiter->error) std::rethrow_exception(waiter->error);
+    // The caller takes sole ownership of the exception: the loop thread may drop the last
+    // reference to the waiter, and must not be the one to destroy the exception object.
+    if (std::exception_ptr error = std::exchange(waiter->error, nullptr)) {
+      wl.unlock();
+      std::rethrow_exception(error);
+    }
   }
 
   std::shared_ptr<Registration> add(int fd, std::uint32_t events, FdCallback cb, bool owns_fd) {
@@ -247,8 +252,13 @@ class EpollEventLoop::Impl : public std::enable_shared_from_this<Impl> {
     // Without a run() in progress no epoll_wait result can point to it: the registration
     // (and the fd it owns) goes with its source instead of waiting for the next run().
     if (!m_running.load()) return;
-    const std::lock_guard lock{m_graveyard_mutex};
-    m_graveyard.push_back(std::move(reg));
+    {
+      const std::lock_guard lock{m_graveyard_mutex};
+      m_graveyard.push_back(std::move(reg));
+    }
+    // From another thread the loop may be asleep: wake it so that the graveyard (and the fd
+    // a signal or timer owns) is released now, not at the next unrelated event.
+    if (!in_loop_thread()) wake();
   }
 
   void add_hook(const std::shared_ptr<PrepareHook>& hook) {
@@ -472,13 +482,27 @@ EpollEventLoop::~EpollEventLoop() {
   }
 }
 
-void EpollEventLoop::run() { m_impl->run(); }
-void EpollEventLoop::stop() noexcept { m_impl->stop(); }
-bool EpollEventLoop::is_running() const noexcept { return m_impl->is_running(); }
-bool EpollEventLoop::in_loop_thread() const noexcept { return m_impl->in_loop_thread(); }
-void EpollEventLoop::post(std::function<void()> fn) { m_impl->post(std::move(fn)); }
-void EpollEventLoop::run_sync(std::function<void()> fn) { m_impl->run_sync(std::move(fn)); }
-std::uint64_t EpollEventLoop::wakeups() const noexcept { return m_impl->wakeups(); }
+void EpollEventLoop::run() {
+  m_impl->run();
+}
+void EpollEventLoop::stop() noexcept {
+  m_impl->stop();
+}
+bool EpollEventLoop::is_running() const noexcept {
+  return m_impl->is_running();
+}
+bool EpollEventLoop::in_loop_thread() const noexcept {
+  return m_impl->in_loop_thread();
+}
+void EpollEventLoop::post(std::function<void()> fn) {
+  m_impl->post(std::move(fn));
+}
+void EpollEventLoop::run_sync(std::function<void()> fn) {
+  m_impl->run_sync(std::move(fn));
+}
+std::uint64_t EpollEventLoop::wakeups() const noexcept {
+  return m_impl->wakeups();
+}
 
 FdHandle EpollEventLoop::add_fd(int fd, std::uint32_t events, FdCallback callback) {
   if (fd < 0) throw std::invalid_argument("EpollEventLoop::add_fd: negative fd");

@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cassert>
 #include <atomic>
 #include <cerrno>
 #include <chrono>
@@ -588,8 +589,12 @@ class Backend : public std::enable_shared_from_this<Backend> {
   }
 
   // ---- loop thread -------------------------------------------------------------------
+  // Entry points below run on the loop thread only; debug builds check it.
+
+  void assert_loop_thread() const noexcept { assert(m_loop->in_loop_thread()); }
 
   void on_acceptable(const std::shared_ptr<Listener>& listener) {
+    assert_loop_thread();
     for (int i = 0; i < ACCEPTS_PER_EVENT && !m_shut_down; ++i) {
       tcp::socket socket{*m_io};
       tcp::endpoint peer;
@@ -666,6 +671,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
   }
 
   void on_socket_event(const std::shared_ptr<Connection>& conn, std::uint32_t events) {
+    assert_loop_thread();
     if (m_shut_down || conn->state == State::CLOSED) return;
     if (conn->state == State::CONNECTING) {
       on_connect_done(conn);
@@ -787,6 +793,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
 
   // Returns true when no connection is waiting to be flushed.
   bool process_flush_list() {
+    assert_loop_thread();
     {
       const std::lock_guard lock{m_flush_mutex};
       if (m_flush_list.empty()) return true;
@@ -865,6 +872,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
 
   void close_connection(const std::shared_ptr<Connection>& conn, std::string_view reason,
                         CloseKind kind) {
+    assert_loop_thread();
     if (m_shut_down) {  // the backend is being destroyed: no more callbacks
       abandon(*conn);
       return;
@@ -935,6 +943,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
   }
 
   void on_lingering_readable(int fd) {
+    assert_loop_thread();
     if (!m_scratch) m_scratch = std::make_unique_for_overwrite<std::uint8_t[]>(SCRATCH_SIZE);
     for (int i = 0; i < READS_PER_EVENT; ++i) {
       const ssize_t n = ::recv(fd, m_scratch.get(), SCRATCH_SIZE, MSG_DONTWAIT);
@@ -953,6 +962,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
   }
 
   void housekeeping() {
+    assert_loop_thread();
     if (m_shut_down) return;
     const auto now = Clock::now();
     std::vector<std::shared_ptr<Connection>> expired;
