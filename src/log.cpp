@@ -1,7 +1,5 @@
 #include "common/log.hpp"
 
-#include <unistd.h>
-
 #include <array>
 #include <cctype>
 #include <chrono>
@@ -9,6 +7,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <unistd.h>
 
 namespace netio3 {
 namespace {
@@ -25,8 +24,8 @@ int initial_level() noexcept {
 }
 
 void stderr_sink(LogLevel level, std::string_view message) {
-  const auto now = std::chrono::duration<double>(
-      std::chrono::system_clock::now().time_since_epoch());
+  const auto now =
+      std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch());
   // One write(2) per line so that lines from several threads do not interleave.
   std::string line = fmt::format("[{:.6f}] [{}] NETIO3 {:5} {}\n", now.count(), ::getpid(),
                                  to_string(level), message);
@@ -80,7 +79,8 @@ std::string_view to_string(LogLevel level) noexcept {
 
 std::optional<LogLevel> parse_log_level(std::string_view name) noexcept {
   std::string lower;
-  for (const char c : name) lower.push_back(static_cast<char>(std::tolower(static_cast<unsigned char>(c))));
+  for (const char c : name)
+    lower.push_back(static_cast<char>(std::tolower(static_cast<unsigned char>(c))));
   if (lower == "warning") lower = "warn";
   for (std::size_t i = 0; i < LEVEL_NAMES.size(); ++i) {
     if (LEVEL_NAMES.at(i) == lower) return static_cast<LogLevel>(i);

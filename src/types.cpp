@@ -10,7 +10,8 @@ namespace netio3 {
 namespace {
 
 template <typename Enum, std::size_t N>
-std::optional<Enum> parse_name(std::string_view name, const std::array<std::string_view, N>& names) {
+std::optional<Enum> parse_name(std::string_view name,
+                               const std::array<std::string_view, N>& names) {
   std::string lower;
   lower.reserve(name.size());
   for (const char c : name) {

@@ -14,10 +14,10 @@ class NetioException : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-#define NETIO3_DETAIL_EXCEPTION(Name)        \
-  class Name : public NetioException {       \
-   public:                                   \
-    using NetioException::NetioException;    \
+#define NETIO3_DETAIL_EXCEPTION(Name)     \
+  class Name : public NetioException {    \
+   public:                                \
+    using NetioException::NetioException; \
   };
 
 NETIO3_DETAIL_EXCEPTION(InvalidEndpointAddress)

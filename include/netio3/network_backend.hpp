@@ -1,10 +1,9 @@
 #pragma once
 
-#include <sys/uio.h>
-
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <sys/uio.h>
 #include <vector>
 
 #include <netio3/event_loop.hpp>

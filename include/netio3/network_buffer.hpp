@@ -1,12 +1,11 @@
 #pragma once
 
-#include <sys/uio.h>
-
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <span>
+#include <sys/uio.h>
 
 #include <netio3/exceptions.hpp>
 
@@ -36,8 +35,8 @@ class NetworkBuffer {
   }
 
   void write(const iovec& iov) {
-    write(std::span<const std::uint8_t>{static_cast<const std::uint8_t*>(iov.iov_base),
-                                        iov.iov_len});
+    write(
+        std::span<const std::uint8_t>{static_cast<const std::uint8_t*>(iov.iov_base), iov.iov_len});
   }
 
   // Appends the value's bytes in host byte order.

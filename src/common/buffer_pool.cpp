@@ -11,7 +11,9 @@ namespace netio3::detail {
 namespace {
 constexpr std::size_t ALIGN = 64;
 constexpr std::size_t PAGE = 4096;
-constexpr std::size_t round_up(std::size_t n, std::size_t a) { return (n + a - 1) / a * a; }
+constexpr std::size_t round_up(std::size_t n, std::size_t a) {
+  return (n + a - 1) / a * a;
+}
 }  // namespace
 
 void BufferPool::FreeDeleter::operator()(std::uint8_t* p) const noexcept {
@@ -29,9 +31,8 @@ BufferPool::BufferPool(std::size_t num_buf, std::size_t buf_size, std::size_t he
   }
   const std::size_t stride = round_up(headroom + buf_size, ALIGN);
   if (stride < buf_size || num_buf > std::numeric_limits<std::size_t>::max() / stride) {
-    throw std::invalid_argument(
-        fmt::format("buffer pool: {} buffers of {} bytes overflow the address space", num_buf,
-                    buf_size));
+    throw std::invalid_argument(fmt::format(
+        "buffer pool: {} buffers of {} bytes overflow the address space", num_buf, buf_size));
   }
   m_region_size = round_up(num_buf * stride, PAGE);
   // Not zeroed: untouched pages of a large pool cost no resident memory.

@@ -42,10 +42,13 @@ class BufferPool {
 
   [[nodiscard]] bool owns(const NetworkBuffer* buffer) const noexcept;
   // The headroom in front of buffer->data().
-  [[nodiscard]] static std::uint8_t* headroom_of(NetworkBuffer* buffer, std::size_t headroom) noexcept {
+  [[nodiscard]] static std::uint8_t* headroom_of(NetworkBuffer* buffer,
+                                                 std::size_t headroom) noexcept {
     return buffer->data() - headroom;
   }
-  [[nodiscard]] std::span<std::uint8_t> region() const noexcept { return {m_memory.get(), m_region_size}; }
+  [[nodiscard]] std::span<std::uint8_t> region() const noexcept {
+    return {m_memory.get(), m_region_size};
+  }
   [[nodiscard]] std::size_t buf_size() const noexcept { return m_buf_size; }
   [[nodiscard]] std::size_t num_buf() const noexcept { return m_buffers.size(); }
   [[nodiscard]] std::size_t headroom() const noexcept { return m_headroom; }

@@ -1,7 +1,6 @@
 #include "common/endpoint_rules.hpp"
 
 #include <arpa/inet.h>
-
 #include <array>
 
 #include <fmt/format.h>
@@ -12,7 +11,8 @@ namespace netio3::detail {
 void check_address(const EndPointAddress& address, std::string_view action) {
   std::array<unsigned char, sizeof(in6_addr)> buf{};
   if (address.address.empty()) {
-    throw InvalidEndpointAddress(fmt::format("{}: empty IP address (port {})", action, address.port));
+    throw InvalidEndpointAddress(
+        fmt::format("{}: empty IP address (port {})", action, address.port));
   }
   if (::inet_pton(AF_INET, address.address.c_str(), buf.data()) == 1 ||
       ::inet_pton(AF_INET6, address.address.c_str(), buf.data()) == 1) {
@@ -26,15 +26,15 @@ void check_address(const EndPointAddress& address, std::string_view action) {
 void check_config(const NetworkConfig& config) {
   const auto& rx = config.shared_receive_buffers;
   if (rx.use_shared_receive_buffers && (rx.num_buf == 0 || rx.buf_size == 0)) {
-    throw InvalidConfiguration(fmt::format(
-        "shared receive buffers need num_buf > 0 and buf_size > 0 (got {} x {})", rx.num_buf,
-        rx.buf_size));
+    throw InvalidConfiguration(
+        fmt::format("shared receive buffers need num_buf > 0 and buf_size > 0 (got {} x {})",
+                    rx.num_buf, rx.buf_size));
   }
   const auto& tx = config.shared_send_buffers;
   if (tx.use_shared_send_buffers && (tx.num_buf == 0 || tx.buf_size == 0)) {
-    throw InvalidConfiguration(fmt::format(
-        "shared send buffers need num_buf > 0 and buf_size > 0 (got {} x {})", tx.num_buf,
-        tx.buf_size));
+    throw InvalidConfiguration(
+        fmt::format("shared send buffers need num_buf > 0 and buf_size > 0 (got {} x {})",
+                    tx.num_buf, tx.buf_size));
   }
   if (config.limits.max_message_size == 0) {
     throw InvalidConfiguration("limits.max_message_size must be > 0");

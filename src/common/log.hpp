@@ -21,11 +21,11 @@ void log_write(LogLevel level, std::string_view message) noexcept;
 
 }  // namespace netio3::detail
 
-#define NETIO3_LOG(level, ...)                                                   \
-  do {                                                                           \
-    if (::netio3::detail::log_enabled(level)) {                                  \
-      ::netio3::detail::log_write(level, ::fmt::format(__VA_ARGS__));            \
-    }                                                                            \
+#define NETIO3_LOG(level, ...)                                        \
+  do {                                                                \
+    if (::netio3::detail::log_enabled(level)) {                       \
+      ::netio3::detail::log_write(level, ::fmt::format(__VA_ARGS__)); \
+    }                                                                 \
   } while (false)
 
 #define NETIO3_TRACE(...) NETIO3_LOG(::netio3::LogLevel::trace, __VA_ARGS__)

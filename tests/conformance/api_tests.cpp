@@ -3,11 +3,10 @@
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
-
 #include <set>
+#include <sys/socket.h>
 #include <thread>
+#include <unistd.h>
 
 #include "conformance.hpp"
 
@@ -44,16 +43,26 @@ class Api : public testing::TestWithParam<ApiParam> {
 TEST_P(Api, ListenEndpointErrors) {
   auto node = make_node();
   auto& b = *node->backend;
-  EXPECT_THROW(node->call([&] { return b.open_listen_endpoint({"not-an-ip", 0}, {}); }),
+  EXPECT_THROW(node->call([&] {
+    return b.open_listen_endpoint({"not-an-ip", 0}, {});
+  }),
                InvalidEndpointAddress);
-  EXPECT_THROW(node->call([&] { return b.open_listen_endpoint({"", 0}, {}); }), InvalidEndpointAddress);
-  EXPECT_THROW(node->call([&] { return b.open_listen_endpoint({"300.1.2.3", 0}, {}); }),
+  EXPECT_THROW(node->call([&] {
+    return b.open_listen_endpoint({"", 0}, {});
+  }),
                InvalidEndpointAddress);
-  const auto listen = node->call([&] { return b.open_listen_endpoint({"127.0.0.1", 0}, receiver_params(BUF_SIZE)); });
+  EXPECT_THROW(node->call([&] {
+    return b.open_listen_endpoint({"300.1.2.3", 0}, {});
+  }),
+               InvalidEndpointAddress);
+  const auto listen = node->call([&] {
+    return b.open_listen_endpoint({"127.0.0.1", 0}, receiver_params(BUF_SIZE));
+  });
   EXPECT_NE(listen.port, 0) << "port 0 must come back as the port the OS chose";
   EXPECT_EQ(listen.address, "127.0.0.1");
-  EXPECT_THROW(node->call([&] { return b.open_listen_endpoint(listen, receiver_params(BUF_SIZE)); }),
-               ListenEndpointAlreadyExists);
+  EXPECT_THROW(
+      node->call([&] { return b.open_listen_endpoint(listen, receiver_params(BUF_SIZE)); }),
+      ListenEndpointAlreadyExists);
   // A port held by someone else.
   const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in addr{};
@@ -72,7 +81,10 @@ TEST_P(Api, ListenEndpointErrors) {
         << "the message names the endpoint: " << e.what();
   }
   ::close(fd);
-  EXPECT_THROW(node->call([&] { b.close_listen_endpoint({"127.0.0.1", 1}); }), UnknownListenEndpoint);
+  EXPECT_THROW(node->call([&] {
+    b.close_listen_endpoint({"127.0.0.1", 1});
+  }),
+               UnknownListenEndpoint);
   EXPECT_THROW(node->call([&] { b.close_listen_endpoint({"bogus", 1}); }), InvalidEndpointAddress);
   node->call([&] { b.close_listen_endpoint(listen); });
   EXPECT_THROW(node->call([&] { b.close_listen_endpoint(listen); }), UnknownListenEndpoint);
@@ -82,12 +94,18 @@ TEST_P(Api, ActiveEndpointErrors) {
   auto server = make_node();
   auto node = make_node();
   auto& b = *node->backend;
-  const auto listen =
-      server->call([&] { return server->backend->open_listen_endpoint({"127.0.0.1", 0}, receiver_params(BUF_SIZE)); });
-  const ConnectionParameters buffered{.send_buffered_params = {.buf_size = BUF_SIZE, .num_buf = NUM_BUF}};
-  EXPECT_THROW(node->call([&] { b.open_active_endpoint({"256.0.0.1", 1}, buffered); }), InvalidEndpointAddress);
+  const auto listen = server->call([&] {
+    return server->backend->open_listen_endpoint({"127.0.0.1", 0}, receiver_params(BUF_SIZE));
+  });
+  const ConnectionParameters buffered{
+      .send_buffered_params = {.buf_size = BUF_SIZE, .num_buf = NUM_BUF}};
+  EXPECT_THROW(node->call([&] {
+    b.open_active_endpoint({"256.0.0.1", 1}, buffered);
+  }),
+               InvalidEndpointAddress);
   node->call([&] { b.open_active_endpoint(listen, buffered); });
-  EXPECT_THROW(node->call([&] { b.open_active_endpoint(listen, buffered); }), ActiveEndpointAlreadyExists);
+  EXPECT_THROW(node->call([&] { b.open_active_endpoint(listen, buffered); }),
+               ActiveEndpointAlreadyExists);
   ASSERT_TRUE(node->rec.wait([&](const Recorder& r) { return r.count(Kind::ESTABLISHED) == 1; }));
 
   const EndPointAddress unknown{"127.0.0.1", 1};
@@ -96,10 +114,15 @@ TEST_P(Api, ActiveEndpointErrors) {
   EXPECT_THROW(node->call([&] { return b.get_buffer(unknown); }), UnknownActiveEndpoint);
   EXPECT_THROW(node->call([&] { return b.send_buffer(unknown, nullptr); }), UnknownActiveEndpoint);
   std::vector<std::uint8_t> data(8);
-  EXPECT_THROW(node->call([&] { return b.send_data(unknown, data, {}, 1); }), UnknownActiveEndpoint);
-  EXPECT_THROW(node->call([&] { return b.send_data({"nope", 1}, data, {}, 1); }), InvalidEndpointAddress);
+  EXPECT_THROW(node->call([&] { return b.send_data(unknown, data, {}, 1); }),
+               UnknownActiveEndpoint);
+  EXPECT_THROW(node->call([&] {
+    return b.send_data({"nope", 1}, data, {}, 1);
+  }),
+               InvalidEndpointAddress);
   if (node->traits.copy_supported) {
-    EXPECT_THROW(node->call([&] { return b.send_data_copy(unknown, data, {}, 1); }), UnknownActiveEndpoint);
+    EXPECT_THROW(node->call([&] { return b.send_data_copy(unknown, data, {}, 1); }),
+                 UnknownActiveEndpoint);
   }
 
   // A buffer that get_buffer did not hand out is FAILED, and ours still works after.
@@ -120,15 +143,17 @@ TEST_P(Api, ActiveEndpointErrors) {
   // Header data is limited to 16 bytes.
   if (node->traits.copy_supported) {
     const std::vector<std::uint8_t> header(MAX_HEADER_SIZE + 1);
-    EXPECT_EQ(node->call([&] { return b.send_data_copy(listen, data, header, 9); }), NetioStatus::FAILED);
+    EXPECT_EQ(node->call([&] { return b.send_data_copy(listen, data, header, 9); }),
+              NetioStatus::FAILED);
   }
 }
 
 TEST_P(Api, GetBufferWithoutBuffersThrowsNoBuffersAllocated) {
   auto server = make_node();
   auto node = make_node();
-  const auto listen =
-      server->call([&] { return server->backend->open_listen_endpoint({"127.0.0.1", 0}, receiver_params(BUF_SIZE)); });
+  const auto listen = server->call([&] {
+    return server->backend->open_listen_endpoint({"127.0.0.1", 0}, receiver_params(BUF_SIZE));
+  });
   std::vector<std::uint8_t> region(4096);
   node->call([&] {
     node->backend->open_active_endpoint(
@@ -141,10 +166,12 @@ TEST_P(Api, GetBufferWithoutBuffersThrowsNoBuffersAllocated) {
 TEST_P(Api, GetBufferRunsDryThenRecoversAfterCompletions) {
   auto server = make_node();
   auto node = make_node();
-  const auto listen =
-      server->call([&] { return server->backend->open_listen_endpoint({"127.0.0.1", 0}, receiver_params(BUF_SIZE)); });
+  const auto listen = server->call([&] {
+    return server->backend->open_listen_endpoint({"127.0.0.1", 0}, receiver_params(BUF_SIZE));
+  });
   node->call([&] {
-    node->backend->open_active_endpoint(listen, {.send_buffered_params = {.buf_size = 256, .num_buf = 4}});
+    node->backend->open_active_endpoint(listen,
+                                        {.send_buffered_params = {.buf_size = 256, .num_buf = 4}});
   });
   ASSERT_TRUE(node->rec.wait([&](const Recorder& r) { return r.count(Kind::ESTABLISHED) == 1; }));
   std::vector<NetworkBuffer*> lent;
@@ -161,7 +188,8 @@ TEST_P(Api, GetBufferRunsDryThenRecoversAfterCompletions) {
     EXPECT_THROW(buffer->write(std::vector<std::uint8_t>(257)), BufferOverflow);
     EXPECT_EQ(buffer->size(), 0U) << "an overflowing write writes nothing";
     buffer->write(std::uint8_t{1});
-    EXPECT_EQ(node->call([&] { return node->backend->send_buffer(listen, buffer); }), NetioStatus::OK);
+    EXPECT_EQ(node->call([&] { return node->backend->send_buffer(listen, buffer); }),
+              NetioStatus::OK);
   }
   EXPECT_EQ(ids.size(), 4U) << "four distinct buffers";
   ASSERT_TRUE(node->rec.wait([&](const Recorder& r) { return r.count(Kind::COMPLETED) == 4; }));
@@ -179,15 +207,26 @@ TEST_P(Api, InvalidConnectionParametersAreRejected) {
   });
   auto& b = *node->backend;
   const EndPointAddress somewhere{"127.0.0.1", 9};
-  EXPECT_THROW(node->call([&] { b.open_active_endpoint(somewhere, {.send_buffered_params = {.buf_size = 0, .num_buf = 4}}); }),
+  EXPECT_THROW(node->call([&] {
+    b.open_active_endpoint(somewhere, {.send_buffered_params = {.buf_size = 0, .num_buf = 4}});
+  }),
                InvalidConnectionParameters);
-  EXPECT_THROW(node->call([&] { b.open_active_endpoint(somewhere, {.send_buffered_params = {.buf_size = 4096, .num_buf = 4}}); }),
+  EXPECT_THROW(node->call([&] {
+    b.open_active_endpoint(somewhere, {.send_buffered_params = {.buf_size = 4096, .num_buf = 4}});
+  }),
                InvalidConnectionParameters)
       << "larger than the shared send buffers";
   std::uint8_t byte = 0;
-  EXPECT_THROW(node->call([&] { b.open_active_endpoint(somewhere, {.send_zero_copy_params = {.buf_size = 0, .mr_start = &byte}}); }),
+  EXPECT_THROW(node->call([&] {
+    b.open_active_endpoint(somewhere,
+                           {.send_zero_copy_params = {.buf_size = 0, .mr_start = &byte}});
+  }),
                InvalidConnectionParameters);
-  EXPECT_THROW(node->call([&] { b.open_active_endpoint(somewhere, {.recv_params = {.buf_size = 64, .num_buf = 1, .use_shared_receive_buffers = true}}); }),
+  EXPECT_THROW(node->call([&] {
+    b.open_active_endpoint(
+        somewhere,
+        {.recv_params = {.buf_size = 64, .num_buf = 1, .use_shared_receive_buffers = true}});
+  }),
                InvalidConnectionParameters)
       << "per-listener shared receive buffers make no sense on an active endpoint";
 }
@@ -212,8 +251,12 @@ TEST_P(Api, SharedSendBuffersAreOnePoolForAllConnections) {
   auto node = make_node([](NetworkConfig& c) {
     c.shared_send_buffers = {.use_shared_send_buffers = true, .buf_size = 512, .num_buf = 3};
   });
-  const auto a = server->call([&] { return server->backend->open_listen_endpoint({"127.0.0.1", 0}, receiver_params(BUF_SIZE)); });
-  const auto b = server->call([&] { return server->backend->open_listen_endpoint({"127.0.0.1", 0}, receiver_params(BUF_SIZE)); });
+  const auto a = server->call([&] {
+    return server->backend->open_listen_endpoint({"127.0.0.1", 0}, receiver_params(BUF_SIZE));
+  });
+  const auto b = server->call([&] {
+    return server->backend->open_listen_endpoint({"127.0.0.1", 0}, receiver_params(BUF_SIZE));
+  });
   const ConnectionParameters params{.send_buffered_params = {.buf_size = 512, .num_buf = 1}};
   node->call([&] { node->backend->open_active_endpoint(a, params); });
   node->call([&] { node->backend->open_active_endpoint(b, params); });
@@ -238,18 +281,23 @@ TEST_P(Api, SharedSendBuffersAreOnePoolForAllConnections) {
 TEST_P(Api, OneBackendCanConnectToItself) {
   auto node = make_node();
   const auto listen = node->call([&] {
-    return node->backend->open_listen_endpoint({"127.0.0.1", 0}, {.recv_params = {.buf_size = 4096, .num_buf = 16}});
+    return node->backend->open_listen_endpoint({"127.0.0.1", 0},
+                                               {.recv_params = {.buf_size = 4096, .num_buf = 16}});
   });
   node->call([&] {
-    node->backend->open_active_endpoint(listen, {.send_buffered_params = {.buf_size = 4096, .num_buf = 16}});
+    node->backend->open_active_endpoint(
+        listen, {.send_buffered_params = {.buf_size = 4096, .num_buf = 16}});
   });
   ASSERT_TRUE(node->rec.wait([&](const Recorder& r) { return r.count(Kind::ESTABLISHED) == 2; }));
   auto* buffer = node->call([&] { return node->backend->get_buffer(listen); });
   ASSERT_NE(buffer, nullptr);
   const auto message = test::pattern(3, 777);
   buffer->write(std::span<const std::uint8_t>{message});
-  EXPECT_EQ(node->call([&] { return node->backend->send_buffer(listen, buffer); }), NetioStatus::OK);
-  ASSERT_TRUE(node->rec.wait([&](const Recorder& r) { return r.count(Kind::DATA) == 1 && r.count(Kind::COMPLETED) == 1; }));
+  EXPECT_EQ(node->call([&] { return node->backend->send_buffer(listen, buffer); }),
+            NetioStatus::OK);
+  ASSERT_TRUE(node->rec.wait([&](const Recorder& r) {
+    return r.count(Kind::DATA) == 1 && r.count(Kind::COMPLETED) == 1;
+  }));
   EXPECT_EQ(node->rec.messages_snapshot().at(0), message);
   node->call([&] { node->backend->close_listen_endpoint(listen); });
   ASSERT_TRUE(node->rec.wait([&](const Recorder& r) { return r.count(Kind::CLOSED) == 2; }))
@@ -271,9 +319,13 @@ TEST_P(Api, UnsafeModelRejectsCallsFromForeignThreadsWhileTheLoopRuns) {
 TEST_P(Api, SendingThroughASignalFromAnotherThread) {
   auto server = make_node();
   auto node = make_node();
-  const auto listen =
-      server->call([&] { return server->backend->open_listen_endpoint({"127.0.0.1", 0}, receiver_params(BUF_SIZE)); });
-  node->call([&] { node->backend->open_active_endpoint(listen, {.send_buffered_params = {.buf_size = 64, .num_buf = 4}}); });
+  const auto listen = server->call([&] {
+    return server->backend->open_listen_endpoint({"127.0.0.1", 0}, receiver_params(BUF_SIZE));
+  });
+  node->call([&] {
+    node->backend->open_active_endpoint(listen,
+                                        {.send_buffered_params = {.buf_size = 64, .num_buf = 4}});
+  });
   ASSERT_TRUE(node->rec.wait([&](const Recorder& r) { return r.count(Kind::ESTABLISHED) == 1; }));
   std::atomic<int> sent{0};
   auto signal = node->loop.loop()->create_signal(

@@ -50,7 +50,9 @@ const BackendTraits& traits(BackendType type) {
   return ASYNCMSG;
 }
 
-std::vector<BackendType> backends() { return Netio3Backend::available(); }
+std::vector<BackendType> backends() {
+  return Netio3Backend::available();
+}
 
 Node::Node(BackendType type_, ThreadSafetyModel model_,
            const std::function<void(NetworkConfig&)>& tweak)
@@ -67,7 +69,9 @@ Node::~Node() {
   destroy_backend();
 }
 
-void Node::destroy_backend() { backend.reset(); }
+void Node::destroy_backend() {
+  backend.reset();
+}
 
 ConnectionParameters sender_params(const BackendTraits& traits, SendMode mode,
                                    std::span<std::uint8_t> region, std::size_t buf_size) {
@@ -95,8 +99,8 @@ ConnectionParameters receiver_params(std::size_t max_message) {
 
 std::optional<EndPointAddress> wait_connected(Node& client, Node& server,
                                               const EndPointAddress& listen) {
-  const bool ok_client = client.rec.wait(
-      [&](const Recorder& r) { return r.count(Kind::ESTABLISHED, listen) == 1; });
+  const bool ok_client =
+      client.rec.wait([&](const Recorder& r) { return r.count(Kind::ESTABLISHED, listen) == 1; });
   const bool ok_server =
       server.rec.wait([](const Recorder& r) { return r.count(Kind::ESTABLISHED) >= 1; });
   if (!ok_client || !ok_server) return std::nullopt;
@@ -140,7 +144,8 @@ NetioStatus send_one(Node& node, const EndPointAddress& to, SendMode mode,
         break;
       }
       case SendMode::COPY:
-        status = node.call([&] { return node.backend->send_data_copy(to, payload, header, index); });
+        status =
+            node.call([&] { return node.backend->send_data_copy(to, payload, header, index); });
         break;
     }
     if (status != NetioStatus::NO_RESOURCES) {

@@ -4,8 +4,6 @@
 // backend can and cannot do is described by its BackendTraits; tests that need a missing
 // capability are skipped with the reason, never silently passed.
 
-#include <gtest/gtest.h>
-
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -13,6 +11,7 @@
 #include <type_traits>
 #include <vector>
 
+#include <gtest/gtest.h>
 #include <netio3/netio3.hpp>
 
 #include "test_support.hpp"
@@ -28,11 +27,11 @@ enum class SendMode { BUFFERED, ZERO_COPY, COPY };
 struct BackendTraits {
   BackendType type;
   NetworkMode mode;
-  bool copy_supported;            // send_data_copy works (else NotSupported)
-  bool zero_copy_needs_region;    // send_data only from [mr_start, mr_start + buf_size)
+  bool copy_supported;                // send_data_copy works (else NotSupported)
+  bool zero_copy_needs_region;        // send_data only from [mr_start, mr_start + buf_size)
   bool buffered_zero_copy_exclusive;  // one endpoint cannot do both
-  bool honours_unsafe;            // UNSAFE really drops locking (and checks the caller)
-  bool receive_needs_buffers;     // messages are limited by recv_params.buf_size
+  bool honours_unsafe;                // UNSAFE really drops locking (and checks the caller)
+  bool receive_needs_buffers;         // messages are limited by recv_params.buf_size
 };
 
 [[nodiscard]] const BackendTraits& traits(BackendType type);
@@ -47,7 +46,8 @@ inline constexpr std::size_t LARGE = std::size_t{256} << 10U;
 // One side: a recorder, a loop on its own thread, and a backend (destroyed first).
 class Node {
  public:
-  Node(BackendType type, ThreadSafetyModel model, const std::function<void(NetworkConfig&)>& tweak = {});
+  Node(BackendType type, ThreadSafetyModel model,
+       const std::function<void(NetworkConfig&)>& tweak = {});
   ~Node();
   Node(const Node&) = delete;
   Node& operator=(const Node&) = delete;

@@ -33,7 +33,8 @@ std::vector<DataParam> all_params() {
   for (const auto backend : backends()) {
     for (const auto mode : {SendMode::BUFFERED, SendMode::ZERO_COPY, SendMode::COPY}) {
       for (const auto model : {ThreadSafetyModel::SAFE, ThreadSafetyModel::UNSAFE}) {
-        for (const std::size_t size : {std::size_t{0}, std::size_t{1}, std::size_t{64}, BUF_SIZE, LARGE}) {
+        for (const std::size_t size :
+             {std::size_t{0}, std::size_t{1}, std::size_t{64}, BUF_SIZE, LARGE}) {
           out.push_back({backend, mode, model, size});
         }
       }
@@ -63,8 +64,7 @@ class Data : public testing::TestWithParam<DataParam> {
     });
     ASSERT_NE(listen.port, 0);
     client->call([&] {
-      client->backend->open_active_endpoint(listen,
-                                            sender_params(t, p.mode, region, BUF_SIZE));
+      client->backend->open_active_endpoint(listen, sender_params(t, p.mode, region, BUF_SIZE));
     });
     auto remote = wait_connected(*client, *server, listen);
     ASSERT_TRUE(remote.has_value()) << "connection was not established on both sides";
@@ -98,13 +98,15 @@ TEST_P(Data, StreamArrivesIntactInOrderAndEverySendCompletesOnce) {
   }
   ASSERT_TRUE(server->rec.wait([&](const Recorder& r) { return r.count(Kind::DATA) >= count; }))
       << "received " << server->rec.snapshot().size() << " events";
-  ASSERT_TRUE(client->rec.wait([&](const Recorder& r) { return r.count(Kind::COMPLETED) >= count; }));
+  ASSERT_TRUE(
+      client->rec.wait([&](const Recorder& r) { return r.count(Kind::COMPLETED) >= count; }));
 
   const auto messages = server->rec.messages_snapshot();
   ASSERT_EQ(messages.size(), count);
   for (std::size_t i = 0; i < count; ++i) {
     ASSERT_EQ(messages[i].size(), p.size) << "message " << i;
-    ASSERT_TRUE(test::matches_pattern(messages[i], i)) << "message " << i << " corrupted or out of order";
+    ASSERT_TRUE(test::matches_pattern(messages[i], i))
+        << "message " << i << " corrupted or out of order";
   }
 
   std::multiset<std::uint64_t> completed;
@@ -158,14 +160,16 @@ TEST_P(Data, EchoFromInsideTheDataCallback) {
   for (std::size_t i = 0; i < rounds; ++i) {
     EXPECT_EQ(echoes[i], test::pattern(i, p.size)) << "echo " << i;
   }
-  ASSERT_TRUE(server->rec.wait([&](const Recorder& r) { return r.count(Kind::COMPLETED) == rounds; }));
+  ASSERT_TRUE(
+      server->rec.wait([&](const Recorder& r) { return r.count(Kind::COMPLETED) == rounds; }));
 }
 
 // Every callback runs on the loop thread.
 TEST_P(Data, CallbacksRunOnTheLoopThread) {
   const auto& p = GetParam();
   for (std::size_t i = 0; i < 8; ++i) {
-    ASSERT_EQ(send_one(*client, listen, p.mode, test::pattern(i, p.size), region, i), NetioStatus::OK);
+    ASSERT_EQ(send_one(*client, listen, p.mode, test::pattern(i, p.size), region, i),
+              NetioStatus::OK);
   }
   ASSERT_TRUE(client->rec.wait([&](const Recorder& r) { return r.count(Kind::COMPLETED) == 8; }));
   ASSERT_TRUE(server->rec.wait([&](const Recorder& r) { return r.count(Kind::DATA) == 8; }));

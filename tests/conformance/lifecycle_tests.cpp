@@ -2,17 +2,16 @@
 // Refusal, closing (locally, by the peer, through the listener, from inside callbacks),
 // cancelled keys, back-pressure, destruction with open connections.
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
-
 #include <algorithm>
+#include <arpa/inet.h>
 #include <atomic>
 #include <cstring>
 #include <map>
+#include <netinet/in.h>
 #include <set>
+#include <sys/socket.h>
 #include <thread>
+#include <unistd.h>
 #include <utility>
 
 #include "conformance.hpp"
@@ -103,7 +102,8 @@ class Lifecycle : public testing::TestWithParam<LifecycleParam> {
 
   void connect(Node& node, const EndPointAddress& to, std::size_t buf_size = BUF_SIZE) {
     node.call([&] {
-      node.backend->open_active_endpoint(to, sender_params(node.traits, GetParam().mode, region, buf_size));
+      node.backend->open_active_endpoint(
+          to, sender_params(node.traits, GetParam().mode, region, buf_size));
     });
   }
 
@@ -114,14 +114,16 @@ TEST_P(Lifecycle, ConnectingToAPortWithoutListenerIsRefusedOnce) {
   auto client = make_node();
   const EndPointAddress nowhere{"127.0.0.1", unused_port()};
   connect(*client, nowhere);
-  ASSERT_TRUE(client->rec.wait([&](const Recorder& r) { return r.count(Kind::REFUSED, nowhere) == 1; }));
+  ASSERT_TRUE(
+      client->rec.wait([&](const Recorder& r) { return r.count(Kind::REFUSED, nowhere) == 1; }));
   EXPECT_EQ(client->rec.count(Kind::ESTABLISHED), 0U);
   EXPECT_EQ(client->rec.count(Kind::CLOSED), 0U);
   // After the refusal the endpoint is gone: it may be opened again, and it is unknown.
   EXPECT_THROW(client->call([&] { client->backend->close_active_endpoint(nowhere); }),
                UnknownActiveEndpoint);
   connect(*client, nowhere);
-  ASSERT_TRUE(client->rec.wait([&](const Recorder& r) { return r.count(Kind::REFUSED, nowhere) == 2; }));
+  ASSERT_TRUE(
+      client->rec.wait([&](const Recorder& r) { return r.count(Kind::REFUSED, nowhere) == 2; }));
 }
 
 TEST_P(Lifecycle, EstablishedCapabilitiesDescribeTheLocalEndpoint) {
@@ -153,7 +155,8 @@ TEST_P(Lifecycle, EstablishedCapabilitiesDescribeTheLocalEndpoint) {
 // bound; closing then reports every accepted-but-unfinished key exactly once.
 TEST_P(Lifecycle, StalledPeerGivesNoResourcesAndCloseCancelsOutstandingKeys) {
   auto server = make_node();
-  auto client = make_node([](NetworkConfig& c) { c.limits.max_unsent_bytes = std::size_t{1} << 20U; });
+  auto client =
+      make_node([](NetworkConfig& c) { c.limits.max_unsent_bytes = std::size_t{1} << 20U; });
   // More than loopback's kernel buffers (a few MB) plus the 1 MB unsent limit; sized before
   // connecting because zero-copy regions are registered at connect.
   region.assign(std::size_t{32} << 20U, 0);
@@ -181,7 +184,8 @@ TEST_P(Lifecycle, StalledPeerGivesNoResourcesAndCloseCancelsOutstandingKeys) {
       case SendMode::ZERO_COPY: {
         auto* where = region.data() + index * size;
         std::memcpy(where, message.data(), size);
-        status = client->backend->send_data(listen, std::span<std::uint8_t>{where, size}, {}, index);
+        status =
+            client->backend->send_data(listen, std::span<std::uint8_t>{where, size}, {}, index);
         break;
       }
       case SendMode::COPY:
@@ -208,7 +212,8 @@ TEST_P(Lifecycle, StalledPeerGivesNoResourcesAndCloseCancelsOutstandingKeys) {
     while ((index + 1) * size < region.size() && try_send(index) == NetioStatus::OK) ++index;
     client->backend->close_active_endpoint(listen);
   });
-  ASSERT_TRUE(client->rec.wait([&](const Recorder& r) { return r.count(Kind::CLOSED, listen) == 1; }));
+  ASSERT_TRUE(
+      client->rec.wait([&](const Recorder& r) { return r.count(Kind::CLOSED, listen) == 1; }));
   const auto events = client->rec.snapshot();
   expect_ledger_balanced(events, listen, accepted);
   std::size_t cancelled = 0;
@@ -230,13 +235,18 @@ TEST_P(Lifecycle, PeerCloseReachesBothSidesAndTheAddressCanBeReused) {
   ASSERT_TRUE(server_side.has_value());
   // The server closes the accepted connection; the client learns it from the network.
   server->call([&] { server->backend->close_active_endpoint(*server_side); });
-  ASSERT_TRUE(server->rec.wait([&](const Recorder& r) { return r.count(Kind::CLOSED, *server_side) == 1; }));
-  ASSERT_TRUE(client->rec.wait([&](const Recorder& r) { return r.count(Kind::CLOSED, listen) == 1; }));
-  EXPECT_THROW(client->call([&] { return client->backend->get_buffer(listen); }), UnknownActiveEndpoint);
+  ASSERT_TRUE(server->rec.wait(
+      [&](const Recorder& r) { return r.count(Kind::CLOSED, *server_side) == 1; }));
+  ASSERT_TRUE(
+      client->rec.wait([&](const Recorder& r) { return r.count(Kind::CLOSED, listen) == 1; }));
+  EXPECT_THROW(client->call([&] { return client->backend->get_buffer(listen); }),
+               UnknownActiveEndpoint);
   // Reconnect to the same listener.
   connect(*client, listen);
-  ASSERT_TRUE(client->rec.wait([&](const Recorder& r) { return r.count(Kind::ESTABLISHED, listen) == 2; }));
-  ASSERT_EQ(send_one(*client, listen, GetParam().mode, test::pattern(7, 100), region, 7), NetioStatus::OK);
+  ASSERT_TRUE(
+      client->rec.wait([&](const Recorder& r) { return r.count(Kind::ESTABLISHED, listen) == 2; }));
+  ASSERT_EQ(send_one(*client, listen, GetParam().mode, test::pattern(7, 100), region, 7),
+            NetioStatus::OK);
   ASSERT_TRUE(server->rec.wait([&](const Recorder& r) { return r.count(Kind::DATA) == 1; }));
   EXPECT_EQ(server->rec.messages_snapshot().at(0), test::pattern(7, 100));
 }
@@ -250,7 +260,8 @@ TEST_P(Lifecycle, ClosingTheListenerClosesEveryConnectionItSpawned) {
     clients.push_back(make_node());
     connect(*clients.back(), listen);
   }
-  ASSERT_TRUE(server->rec.wait([&](const Recorder& r) { return r.count(Kind::ESTABLISHED) == CLIENTS; }));
+  ASSERT_TRUE(
+      server->rec.wait([&](const Recorder& r) { return r.count(Kind::ESTABLISHED) == CLIENTS; }));
   for (auto& c : clients) {
     ASSERT_TRUE(c->rec.wait([&](const Recorder& r) { return r.count(Kind::ESTABLISHED) == 1; }));
   }
@@ -258,11 +269,13 @@ TEST_P(Lifecycle, ClosingTheListenerClosesEveryConnectionItSpawned) {
   const auto idle = listen_on(*server);
   server->call([&] { server->backend->close_listen_endpoint(idle); });
   server->call([&] { server->backend->close_listen_endpoint(listen); });
-  ASSERT_TRUE(server->rec.wait([&](const Recorder& r) { return r.count(Kind::CLOSED) == CLIENTS; }));
+  ASSERT_TRUE(
+      server->rec.wait([&](const Recorder& r) { return r.count(Kind::CLOSED) == CLIENTS; }));
   for (auto& c : clients) {
     ASSERT_TRUE(c->rec.wait([&](const Recorder& r) { return r.count(Kind::CLOSED, listen) == 1; }));
   }
-  EXPECT_THROW(server->call([&] { server->backend->close_listen_endpoint(listen); }), UnknownListenEndpoint);
+  EXPECT_THROW(server->call([&] { server->backend->close_listen_endpoint(listen); }),
+               UnknownListenEndpoint);
   // The listener is really gone: a new connection is refused.
   auto late = make_node();
   connect(*late, listen);
@@ -284,7 +297,8 @@ TEST_P(Lifecycle, ClosingFromInsideCallbacksIsSafe) {
     });
     connect(*client, listen);
     if (trigger == Kind::COMPLETED) {
-      ASSERT_TRUE(client->rec.wait([&](const Recorder& r) { return r.count(Kind::ESTABLISHED) == 1; }));
+      ASSERT_TRUE(
+          client->rec.wait([&](const Recorder& r) { return r.count(Kind::ESTABLISHED) == 1; }));
       // Several sends: the close happens at the first completion, the rest end as
       // completed or cancelled, exactly once each.
       std::vector<std::uint64_t> keys;
@@ -301,7 +315,8 @@ TEST_P(Lifecycle, ClosingFromInsideCallbacksIsSafe) {
       ASSERT_TRUE(client->rec.wait([&](const Recorder& r) { return r.count(Kind::CLOSED) == 1; }));
       expect_ledger_balanced(client->rec.snapshot(), listen, keys);
     }
-    ASSERT_TRUE(client->rec.wait([&](const Recorder& r) { return r.count(Kind::CLOSED, listen) == 1; }));
+    ASSERT_TRUE(
+        client->rec.wait([&](const Recorder& r) { return r.count(Kind::CLOSED, listen) == 1; }));
     ASSERT_TRUE(server->rec.wait([&](const Recorder& r) { return r.count(Kind::CLOSED) == 1; }));
   }
   // From inside on_data_cb, on the receiving side.
@@ -317,7 +332,8 @@ TEST_P(Lifecycle, ClosingFromInsideCallbacksIsSafe) {
       server->backend->close_active_endpoint(*server_side);
     }
   });
-  ASSERT_EQ(send_one(*client, listen, GetParam().mode, test::pattern(1, 100), region, 1), NetioStatus::OK);
+  ASSERT_EQ(send_one(*client, listen, GetParam().mode, test::pattern(1, 100), region, 1),
+            NetioStatus::OK);
   ASSERT_TRUE(server->rec.wait([&](const Recorder& r) { return r.count(Kind::CLOSED) == 1; }));
   ASSERT_TRUE(client->rec.wait([&](const Recorder& r) { return r.count(Kind::CLOSED) == 1; }));
 }
@@ -334,19 +350,23 @@ TEST_P(Lifecycle, DestroyingTheBackendInsideACallbackIsSafe) {
   });
   try {
     for (std::uint64_t i = 0; i < 4; ++i) {
-      const auto status = send_one(*client, listen, GetParam().mode, test::pattern(i, 1000), region, i);
+      const auto status =
+          send_one(*client, listen, GetParam().mode, test::pattern(i, 1000), region, i);
       ASSERT_NE(status, NetioStatus::NO_RESOURCES);
       if (status != NetioStatus::OK) break;  // the peer is already gone
     }
   } catch (const UnknownActiveEndpoint&) {
     // The peer's backend was destroyed after the first message: the connection is gone.
   }
-  ASSERT_TRUE(client->rec.wait([&](const Recorder& r) { return r.count(Kind::CLOSED, listen) == 1; }))
-      << "the peer of a destroyed backend must see the connection close";
+  ASSERT_TRUE(client->rec.wait([&](const Recorder& r) {
+    return r.count(Kind::CLOSED, listen) == 1;
+  })) << "the peer of a destroyed backend must see the connection close";
   EXPECT_TRUE(destroyed.load());
   // Destroyed means silent: at most the messages that were dispatched in the same read.
   const auto events = server->rec.snapshot();
-  EXPECT_EQ(std::count_if(events.begin(), events.end(), [](const auto& e) { return e.kind == Kind::CLOSED; }), 0);
+  EXPECT_EQ(std::count_if(events.begin(), events.end(),
+                          [](const auto& e) { return e.kind == Kind::CLOSED; }),
+            0);
 }
 
 TEST_P(Lifecycle, DestroyingTheBackendWithOpenConnectionsClosesThemAtThePeer) {
@@ -390,8 +410,8 @@ TEST_P(Lifecycle, ConcurrentSendersEveryKeyEndsExactlyOnce) {
       senders.emplace_back([&, t] {
         for (std::uint64_t i = 0; i < PER_THREAD; ++i) {
           const std::uint64_t index = t * PER_THREAD + i;
-          if (send_one(*client, listen, GetParam().mode, test::pattern(index, SIZE), region, index) ==
-              NetioStatus::OK) {
+          if (send_one(*client, listen, GetParam().mode, test::pattern(index, SIZE), region,
+                       index) == NetioStatus::OK) {
             accepted[t].push_back(index);
           }
         }
@@ -401,7 +421,8 @@ TEST_P(Lifecycle, ConcurrentSendersEveryKeyEndsExactlyOnce) {
   std::vector<std::uint64_t> all;
   for (const auto& a : accepted) all.insert(all.end(), a.begin(), a.end());
   ASSERT_EQ(all.size(), THREADS * PER_THREAD);
-  ASSERT_TRUE(server->rec.wait([&](const Recorder& r) { return r.count(Kind::DATA) == all.size(); }));
+  ASSERT_TRUE(
+      server->rec.wait([&](const Recorder& r) { return r.count(Kind::DATA) == all.size(); }));
   // Each thread's messages arrive in that thread's order, intact.
   std::map<std::uint64_t, std::uint64_t> next;  // thread -> next expected index
   for (const auto& m : server->rec.messages_snapshot()) {
@@ -448,17 +469,20 @@ TEST_P(Lifecycle, SendingBeforeEstablishedIsNoResources) {
     case SendMode::ZERO_COPY:
       std::memcpy(region.data(), message.data(), message.size());
       status = client->call([&] {
-        return client->backend->send_data(silent, std::span<std::uint8_t>{region.data(), 10}, {}, 0);
+        return client->backend->send_data(silent, std::span<std::uint8_t>{region.data(), 10}, {},
+                                          0);
       });
       break;
     case SendMode::COPY:
-      status = client->call([&] { return client->backend->send_data_copy(silent, message, {}, 0); });
+      status =
+          client->call([&] { return client->backend->send_data_copy(silent, message, {}, 0); });
       break;
   }
   EXPECT_EQ(status, NetioStatus::NO_RESOURCES);
   // Closing a connection still in set-up ends it with on_connection_closed_cb.
   client->call([&] { client->backend->close_active_endpoint(silent); });
-  ASSERT_TRUE(client->rec.wait([&](const Recorder& r) { return r.count(Kind::CLOSED, silent) == 1; }));
+  ASSERT_TRUE(
+      client->rec.wait([&](const Recorder& r) { return r.count(Kind::CLOSED, silent) == 1; }));
   EXPECT_EQ(client->rec.count(Kind::ESTABLISHED), 0U);
   ::close(fd);
 }

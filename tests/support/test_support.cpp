@@ -1,9 +1,8 @@
 #include "test_support.hpp"
 
 #include <dirent.h>
-#include <unistd.h>
-
 #include <fstream>
+#include <unistd.h>
 
 namespace netio3::test {
 
@@ -29,7 +28,9 @@ std::size_t rss_bytes() {
 LoopThread::LoopThread()
     : m_loop{std::make_shared<EpollEventLoop>()}, m_thread{[loop = m_loop] { loop->run(); }} {}
 
-LoopThread::~LoopThread() { stop(); }
+LoopThread::~LoopThread() {
+  stop();
+}
 
 void LoopThread::stop() {
   if (!m_thread.joinable()) return;

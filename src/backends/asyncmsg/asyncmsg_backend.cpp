@@ -16,8 +16,8 @@
 
 #include <algorithm>
 #include <array>
-#include <cassert>
 #include <atomic>
+#include <cassert>
 #include <cerrno>
 #include <chrono>
 #include <cstring>

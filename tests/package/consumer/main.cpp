@@ -1,11 +1,11 @@
 // Sends one message through the default backend to itself; exit status 0 if it arrived.
-#include <netio3/netio3.hpp>
-
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
 #include <mutex>
 #include <thread>
+
+#include <netio3/netio3.hpp>
 
 int main() {
   using namespace netio3;
@@ -14,18 +14,17 @@ int main() {
   std::vector<std::uint8_t> received;
   bool got = false;
   auto loop = std::make_shared<EpollEventLoop>();
-  auto backend = Netio3Backend::create(
-      BackendType::ASYNCMSG,
-      {.mode = NetworkMode::TCP,
-       .thread_safety = ThreadSafetyModel::SAFE,
-       .on_data_cb =
-           [&](std::span<const std::uint8_t> data) {
-             const std::lock_guard lock{mutex};
-             received.assign(data.begin(), data.end());
-             got = true;
-             cv.notify_all();
-           }},
-      loop);
+  auto backend = Netio3Backend::create(BackendType::ASYNCMSG,
+                                       {.mode = NetworkMode::TCP,
+                                        .thread_safety = ThreadSafetyModel::SAFE,
+                                        .on_data_cb =
+                                            [&](std::span<const std::uint8_t> data) {
+                                              const std::lock_guard lock{mutex};
+                                              received.assign(data.begin(), data.end());
+                                              got = true;
+                                              cv.notify_all();
+                                            }},
+                                       loop);
   std::jthread thread{[&] { loop->run(); }};
   const auto listen = backend->open_listen_endpoint({"127.0.0.1", 0}, {});
   backend->open_active_endpoint(listen, {});
