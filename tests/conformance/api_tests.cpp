@@ -1,12 +1,11 @@
 // API contract conformance: the documented exceptions and statuses, per backend and
 // thread-safety model.
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
+#include <algorithm>
+#include <mutex>
 #include <set>
-#include <sys/socket.h>
+#include <string>
 #include <thread>
-#include <unistd.h>
 
 #include "conformance.hpp"
 
@@ -38,6 +37,21 @@ class Api : public testing::TestWithParam<ApiParam> {
   std::unique_ptr<Node> make_node(const std::function<void(NetworkConfig&)>& tweak = {}) {
     return std::make_unique<Node>(GetParam().backend, GetParam().model, tweak);
   }
+
+  // Opens a listener on `server` and connects `client` to it with `params`; nullopt if the
+  // client did not see the connection established in time.
+  static std::optional<EndPointAddress> connect_to_new_listener(
+      Node& server, Node& client, const ConnectionParameters& params) {
+    const auto listen = server.call([&] {
+      return server.backend->open_listen_endpoint({"127.0.0.1", 0}, receiver_params(BUF_SIZE));
+    });
+    client.call([&] { client.backend->open_active_endpoint(listen, params); });
+    if (!client.rec.wait(
+            [&](const Recorder& r) { return r.count(Kind::ESTABLISHED, listen) == 1; })) {
+      return std::nullopt;
+    }
+    return listen;
+  }
 };
 
 TEST_P(Api, ListenEndpointErrors) {
@@ -63,24 +77,18 @@ TEST_P(Api, ListenEndpointErrors) {
   EXPECT_THROW(
       node->call([&] { return b.open_listen_endpoint(listen, receiver_params(BUF_SIZE)); }),
       ListenEndpointAlreadyExists);
-  // A port held by someone else.
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(addr);
-  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);  // NOLINT
-  ASSERT_EQ(::listen(fd, 1), 0);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);  // NOLINT
-  const EndPointAddress taken{"127.0.0.1", ntohs(addr.sin_port)};
-  try {
-    node->call([&] { return b.open_listen_endpoint(taken, receiver_params(BUF_SIZE)); });
-    ADD_FAILURE() << "listening on a port in use must fail";
-  } catch (const FailedOpenListenEndpoint& e) {
-    EXPECT_NE(std::string{e.what()}.find(to_string(taken)), std::string::npos)
-        << "the message names the endpoint: " << e.what();
+  {
+    // A port held by someone else.
+    const test::RawListener other;
+    const EndPointAddress taken = other.address();
+    try {
+      node->call([&] { return b.open_listen_endpoint(taken, receiver_params(BUF_SIZE)); });
+      ADD_FAILURE() << "listening on a port in use must fail";
+    } catch (const FailedOpenListenEndpoint& e) {
+      EXPECT_NE(std::string{e.what()}.find(to_string(taken)), std::string::npos)
+          << "the message names the endpoint: " << e.what();
+    }
   }
-  ::close(fd);
   EXPECT_THROW(node->call([&] {
     b.close_listen_endpoint({"127.0.0.1", 1});
   }),
@@ -166,14 +174,10 @@ TEST_P(Api, GetBufferWithoutBuffersThrowsNoBuffersAllocated) {
 TEST_P(Api, GetBufferRunsDryThenRecoversAfterCompletions) {
   auto server = make_node();
   auto node = make_node();
-  const auto listen = server->call([&] {
-    return server->backend->open_listen_endpoint({"127.0.0.1", 0}, receiver_params(BUF_SIZE));
-  });
-  node->call([&] {
-    node->backend->open_active_endpoint(listen,
-                                        {.send_buffered_params = {.buf_size = 256, .num_buf = 4}});
-  });
-  ASSERT_TRUE(node->rec.wait([&](const Recorder& r) { return r.count(Kind::ESTABLISHED) == 1; }));
+  const auto connected = connect_to_new_listener(
+      *server, *node, {.send_buffered_params = {.buf_size = 256, .num_buf = 4}});
+  ASSERT_TRUE(connected.has_value());
+  const EndPointAddress listen = *connected;
   std::vector<NetworkBuffer*> lent;
   for (int i = 0; i < 4; ++i) {
     lent.push_back(node->call([&] { return node->backend->get_buffer(listen); }));
@@ -319,14 +323,10 @@ TEST_P(Api, UnsafeModelRejectsCallsFromForeignThreadsWhileTheLoopRuns) {
 TEST_P(Api, SendingThroughASignalFromAnotherThread) {
   auto server = make_node();
   auto node = make_node();
-  const auto listen = server->call([&] {
-    return server->backend->open_listen_endpoint({"127.0.0.1", 0}, receiver_params(BUF_SIZE));
-  });
-  node->call([&] {
-    node->backend->open_active_endpoint(listen,
-                                        {.send_buffered_params = {.buf_size = 64, .num_buf = 4}});
-  });
-  ASSERT_TRUE(node->rec.wait([&](const Recorder& r) { return r.count(Kind::ESTABLISHED) == 1; }));
+  const auto connected = connect_to_new_listener(
+      *server, *node, {.send_buffered_params = {.buf_size = 64, .num_buf = 4}});
+  ASSERT_TRUE(connected.has_value());
+  const EndPointAddress listen = *connected;
   std::atomic<int> sent{0};
   auto signal = node->loop.loop()->create_signal(
       [&] {
@@ -343,6 +343,55 @@ TEST_P(Api, SendingThroughASignalFromAnotherThread) {
   ASSERT_TRUE(server->rec.wait([&](const Recorder& r) { return r.count(Kind::DATA) == 3; }));
   EXPECT_EQ(sent.load(), 3);
   node->loop.loop()->run_sync([&] { signal.close(); });
+}
+
+// At debug level every connection event is logged, at trace level every send, receive and
+// completion with endpoint, key and size.
+TEST_P(Api, TraceLoggingNamesEndpointKeyAndSize) {
+  std::mutex mutex;
+  std::vector<std::string> lines;
+  const LogLevel previous = log_level();
+  set_log_sink([&](LogLevel, std::string_view message) {
+    const std::lock_guard lock{mutex};
+    lines.emplace_back(message);
+  });
+  set_log_level(LogLevel::trace);
+  {
+    auto server = make_node();
+    auto node = make_node();
+    const auto connected = connect_to_new_listener(
+        *server, *node, {.send_buffered_params = {.buf_size = 1000, .num_buf = 2}});
+    ASSERT_TRUE(connected.has_value());
+    const EndPointAddress listen = *connected;
+    auto* buffer = node->call([&] { return node->backend->get_buffer(listen); });
+    ASSERT_NE(buffer, nullptr);
+    buffer->write(std::vector<std::uint8_t>(321, 1));
+    const auto key = buffer->id();
+    ASSERT_EQ(node->call([&] { return node->backend->send_buffer(listen, buffer); }),
+              NetioStatus::OK);
+    ASSERT_TRUE(server->rec.wait([](const Recorder& r) { return r.count(Kind::DATA) == 1; }));
+    ASSERT_TRUE(node->rec.wait([](const Recorder& r) { return r.count(Kind::COMPLETED) == 1; }));
+    node->call([&] { node->backend->close_active_endpoint(listen); });
+    ASSERT_TRUE(node->rec.wait([](const Recorder& r) { return r.count(Kind::CLOSED) == 1; }));
+    set_log_level(previous);
+    set_log_sink({});
+    const auto endpoint = to_string(listen);
+    const auto key_text = fmt::format("key={}", key);
+    const auto logged = [&](std::initializer_list<std::string_view> words) {
+      const std::lock_guard lock{mutex};
+      return std::any_of(lines.begin(), lines.end(), [&](const std::string& line) {
+        return std::all_of(words.begin(), words.end(),
+                           [&](std::string_view w) { return line.find(w) != std::string::npos; });
+      });
+    };
+    EXPECT_TRUE(logged({"send", endpoint, key_text, "size=321"})) << "trace: the send";
+    EXPECT_TRUE(logged({"recv", "size=321"})) << "trace: the receive";
+    EXPECT_TRUE(logged({"completed", endpoint, key_text})) << "trace: the completion";
+    EXPECT_TRUE(logged({"established", endpoint})) << "debug: the connection";
+    EXPECT_TRUE(logged({"closed", endpoint})) << "debug: the close";
+  }
+  set_log_level(previous);
+  set_log_sink({});
 }
 
 INSTANTIATE_TEST_SUITE_P(Conformance, Api, testing::ValuesIn(all_params()), param_name);

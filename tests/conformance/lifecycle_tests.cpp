@@ -3,15 +3,11 @@
 // cancelled keys, back-pressure, destruction with open connections.
 
 #include <algorithm>
-#include <arpa/inet.h>
 #include <atomic>
 #include <cstring>
 #include <map>
-#include <netinet/in.h>
 #include <set>
-#include <sys/socket.h>
 #include <thread>
-#include <unistd.h>
 #include <utility>
 
 #include "conformance.hpp"
@@ -41,19 +37,6 @@ std::vector<LifecycleParam> all_params() {
     }
   }
   return out;
-}
-
-// A port on which nothing listens: bound by the OS, read back, released.
-std::uint16_t unused_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(addr);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));  // NOLINT
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);   // NOLINT
-  ::close(fd);
-  return ntohs(addr.sin_port);
 }
 
 // Checks the key ledger of one connection: every key of an accepted send appears exactly
@@ -112,7 +95,7 @@ class Lifecycle : public testing::TestWithParam<LifecycleParam> {
 
 TEST_P(Lifecycle, ConnectingToAPortWithoutListenerIsRefusedOnce) {
   auto client = make_node();
-  const EndPointAddress nowhere{"127.0.0.1", unused_port()};
+  const EndPointAddress nowhere{"127.0.0.1", test::unused_port()};
   connect(*client, nowhere);
   ASSERT_TRUE(
       client->rec.wait([&](const Recorder& r) { return r.count(Kind::REFUSED, nowhere) == 1; }));
@@ -445,15 +428,8 @@ TEST_P(Lifecycle, ConcurrentSendersEveryKeyEndsExactlyOnce) {
 TEST_P(Lifecycle, SendingBeforeEstablishedIsNoResources) {
   auto client = make_node();
   // A listener that accepts TCP but never speaks: the connection stays in set-up.
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(addr);
-  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);  // NOLINT
-  ASSERT_EQ(::listen(fd, 4), 0);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);  // NOLINT
-  const EndPointAddress silent{"127.0.0.1", ntohs(addr.sin_port)};
+  const test::RawListener listener;
+  const EndPointAddress silent = listener.address();
   connect(*client, silent);
   const auto message = test::pattern(0, 10);
   NetioStatus status = NetioStatus::OK;
@@ -484,7 +460,6 @@ TEST_P(Lifecycle, SendingBeforeEstablishedIsNoResources) {
   ASSERT_TRUE(
       client->rec.wait([&](const Recorder& r) { return r.count(Kind::CLOSED, silent) == 1; }));
   EXPECT_EQ(client->rec.count(Kind::ESTABLISHED), 0U);
-  ::close(fd);
 }
 
 INSTANTIATE_TEST_SUITE_P(Conformance, Lifecycle, testing::ValuesIn(all_params()), param_name);

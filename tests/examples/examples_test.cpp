@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cctype>
 #include <cerrno>
 #include <chrono>
 #include <cstdint>
@@ -14,7 +15,6 @@
 #include <netinet/in.h>
 #include <optional>
 #include <poll.h>
-#include <regex>
 #include <signal.h>
 #include <spawn.h>
 #include <sstream>
@@ -31,6 +31,8 @@
 #include <fmt/format.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+
+#include "test_support.hpp"
 
 extern char** environ;  // NOLINT: POSIX
 
@@ -236,21 +238,20 @@ std::size_t count_lines_starting_with(const std::string& text, std::string_view 
                     [&](const std::string& line) { return line.starts_with(prefix); }));
 }
 
-// A TCP port on 127.0.0.1 that nobody listens on: bind to port 0, read it back, close.
-std::uint16_t unused_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) throw_errno("socket");
-  sockaddr_in sa{};
-  sa.sin_family = AF_INET;
-  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t length = sizeof(sa);
-  auto* generic = reinterpret_cast<sockaddr*>(&sa);  // NOLINT
-  if (::bind(fd, generic, sizeof(sa)) != 0 || ::getsockname(fd, generic, &length) != 0) {
-    ::close(fd);
-    throw_errno("bind");
-  }
-  ::close(fd);
-  return ntohs(sa.sin_port);
+// The number (digits and dots) that follows the first `prefix` in `text`, after optional
+// spaces; nullopt if there is none or it runs to the end of `text` (the line may still be
+// arriving).
+std::optional<std::string> number_after(std::string_view text, std::string_view prefix) {
+  const auto at = text.find(prefix);
+  if (at == std::string_view::npos) return std::nullopt;
+  std::size_t i = at + prefix.size();
+  while (i < text.size() && text[i] == ' ') ++i;
+  const std::size_t start = i;
+  while (i < text.size() &&
+         (std::isdigit(static_cast<unsigned char>(text[i])) != 0 || text[i] == '.'))
+    ++i;
+  if (i == start || i == text.size()) return std::nullopt;
+  return std::string{text.substr(start, i - start)};
 }
 
 Clock::time_point deadline() {
@@ -294,12 +295,15 @@ TEST(Examples, ConnectIsEstablishedForBothSidesAndRefusedOnAnUnusedPort) {
 
 // Starts the receiver on port 0 and returns the port from its "listening on" line.
 std::string start_receiver(Child& receiver) {
-  std::smatch match;
-  const std::regex listening{R"(listening on 127\.0\.0\.1:([0-9]+)\n)"};
+  std::optional<std::string> port;
   const bool found = receiver.read_until(
-      [&](const std::string& out) { return std::regex_search(out, match, listening); }, deadline());
-  if (!found) return {};
-  return match[1].str();
+      [&](const std::string& out) {
+        port = number_after(out, "listening on 127.0.0.1:");
+        return port.has_value();
+      },
+      deadline());
+  if (!found || !port) return {};
+  return *port;
 }
 
 TEST(Examples, SenderSendsEveryMessageToTheReceiver) {
@@ -322,12 +326,11 @@ TEST(Examples, SenderSendsEveryMessageToTheReceiver) {
       << sender.describe();
   EXPECT_THAT(sender.out(), HasSubstr(fmt::format("OK: sent {} message(s)", MESSAGES)));
   // Buffered sending: the key is the index of the buffer, one of the sender's 16.
-  const std::regex key_line{R"(^Send operation to \S+ with key ([0-9]+) completed$)"};
   for (const auto& line : lines_of(sender.out())) {
-    std::smatch match;
-    if (std::regex_match(line, match, key_line)) {
-      EXPECT_LT(std::stoul(match[1].str()), 16U) << line;
-    }
+    if (!line.starts_with("Send operation to ") || !line.ends_with(" completed")) continue;
+    const auto key = number_after(line, " with key ");
+    ASSERT_TRUE(key.has_value()) << line;
+    EXPECT_LT(std::stoul(*key), 16U) << line;
   }
 
   EXPECT_EQ(count_lines_starting_with(receiver.out(), "Connection established with 127.0.0.1:"), 1U)
@@ -367,7 +370,7 @@ TEST(Examples, ReceiverStopsWhenTheSenderCloses) {
 }
 
 TEST(Examples, SenderFailsWhenNobodyListens) {
-  const auto port = std::to_string(unused_port());
+  const auto port = std::to_string(netio3::test::unused_port());
   Child sender{{EXAMPLE_SENDER, "--port", port, "--messages", "5"}};
   ASSERT_EQ(sender.wait(), 1) << sender.describe();
   EXPECT_EQ(count_lines_starting_with(sender.out(), "Connection refused by 127.0.0.1:" + port), 1U)
@@ -394,8 +397,11 @@ void expect_one_message_header_then_payload(const Child& child) {
   EXPECT_EQ(count_lines_starting_with(child.out(), "Received "), 1U) << child.describe();
   EXPECT_EQ(count_lines_starting_with(child.out(), "Received 3 bytes in one span: 00 01 02"), 1U)
       << child.describe();
-  const std::regex completed{R"(\nSend operation to 127\.0\.0\.1:[0-9]+ with key 0 completed\n)"};
-  EXPECT_TRUE(std::regex_search(child.out(), completed)) << child.describe();
+  const auto lines = lines_of(child.out());
+  EXPECT_TRUE(std::any_of(lines.begin(), lines.end(), [](const std::string& line) {
+    return line.starts_with("Send operation to 127.0.0.1:") &&
+           line.ends_with(" with key 0 completed");
+  })) << child.describe();
   EXPECT_EQ(count_lines_starting_with(child.out(), "Send operation"), 1U) << child.describe();
   EXPECT_THAT(child.out(), HasSubstr("OK: header and payload arrived as one message"));
 }
@@ -421,17 +427,16 @@ class DemoTest : public ::testing::TestWithParam<std::string> {};
 TEST_P(DemoTest, MovesDataIntactAndReportsTheRate) {
   Child child{{NETIO3_DEMO, "--seconds", "1", "--send", GetParam()}};
   ASSERT_EQ(child.wait(), 0) << child.describe();
-  std::smatch match;
   const std::string& out = child.out();
-  ASSERT_TRUE(std::regex_search(
-      out, match, std::regex{R"(rate: +([0-9.]+) MB/s, ([0-9.]+) Gbit/s, ([0-9]+) msg/s\n)"}))
-      << child.describe();
-  EXPECT_GT(std::stod(match[1].str()), 0.0) << child.describe();
-  EXPECT_GT(std::stod(match[2].str()), 0.0) << child.describe();
-  EXPECT_GT(std::stod(match[3].str()), 0.0) << child.describe();
-  ASSERT_TRUE(std::regex_search(out, match, std::regex{R"(sent: +([0-9]+) messages)"}))
-      << child.describe();
-  const std::string sent = match[1].str();
+  const auto mb_per_s = number_after(out, "rate:");
+  const auto gbit_per_s = number_after(out, " MB/s, ");
+  const auto msg_per_s = number_after(out, " Gbit/s, ");
+  const auto sent_count = number_after(out, "sent:");
+  ASSERT_TRUE(mb_per_s && gbit_per_s && msg_per_s && sent_count) << child.describe();
+  EXPECT_GT(std::stod(*mb_per_s), 0.0) << child.describe();
+  EXPECT_GT(std::stod(*gbit_per_s), 0.0) << child.describe();
+  EXPECT_GT(std::stod(*msg_per_s), 0.0) << child.describe();
+  const std::string sent = *sent_count;
   EXPECT_THAT(out, HasSubstr(fmt::format("received: {} messages, {} bytes", sent,
                                          std::stoull(sent) * 4096)))
       << child.describe();

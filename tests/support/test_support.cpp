@@ -1,7 +1,13 @@
 #include "test_support.hpp"
 
+#include <arpa/inet.h>
+#include <cerrno>
 #include <dirent.h>
 #include <fstream>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <system_error>
+#include <tuple>
 #include <unistd.h>
 
 namespace netio3::test {
@@ -23,6 +29,42 @@ std::size_t rss_bytes() {
   std::size_t pages_resident = 0;
   statm >> pages_total >> pages_resident;
   return pages_resident * static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
+}
+
+namespace {
+
+// Binds a TCP socket to 127.0.0.1:0 (listening if `listen`); returns the fd and the port.
+std::pair<int, std::uint16_t> bind_loopback(bool listen) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) throw std::system_error(errno, std::generic_category(), "socket");
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  auto* generic = reinterpret_cast<sockaddr*>(&addr);  // NOLINT(*-reinterpret-cast): BSD API
+  if (::bind(fd, generic, sizeof(addr)) != 0 || (listen && ::listen(fd, 16) != 0) ||
+      ::getsockname(fd, generic, &len) != 0) {
+    const int err = errno;
+    ::close(fd);
+    throw std::system_error(err, std::generic_category(), "bind/listen on 127.0.0.1:0");
+  }
+  return {fd, ntohs(addr.sin_port)};
+}
+
+}  // namespace
+
+RawListener::RawListener() {
+  std::tie(m_fd, m_port) = bind_loopback(true);
+}
+
+RawListener::~RawListener() {
+  ::close(m_fd);
+}
+
+std::uint16_t unused_port() {
+  const auto [fd, port] = bind_loopback(false);
+  ::close(fd);
+  return port;
 }
 
 LoopThread::LoopThread()

@@ -28,6 +28,28 @@ inline constexpr std::chrono::milliseconds DEFAULT_TIMEOUT = 30s;
 // Resident set size of this process in bytes (/proc/self/statm).
 [[nodiscard]] std::size_t rss_bytes();
 
+// A plain TCP socket listening on 127.0.0.1 at a port the OS chose. It accepts nothing by
+// itself (connections stay in its backlog): a peer that never speaks. Closed on destruction.
+class RawListener {
+ public:
+  RawListener();
+  ~RawListener();
+  RawListener(const RawListener&) = delete;
+  RawListener& operator=(const RawListener&) = delete;
+  RawListener(RawListener&&) = delete;
+  RawListener& operator=(RawListener&&) = delete;
+
+  [[nodiscard]] EndPointAddress address() const { return {"127.0.0.1", m_port}; }
+  [[nodiscard]] int fd() const { return m_fd; }
+
+ private:
+  int m_fd{-1};
+  std::uint16_t m_port{0};
+};
+
+// A port on 127.0.0.1 that nobody listens on: bound by the OS, read back, released.
+[[nodiscard]] std::uint16_t unused_port();
+
 // Runs an EpollEventLoop on its own thread; stops and joins on destruction.
 class LoopThread {
  public:

@@ -531,16 +531,17 @@ class Backend : public std::enable_shared_from_this<Backend> {
     if (was_empty && !m_loop->in_loop_thread()) m_flush_signal.fire();
   }
 
+  // Gives the connection its send buffers: the shared pool, or its own (allocated before
+  // taking the connection's lock; get_buffer may look at the pointer from any thread).
   void attach_send_pool(Connection& conn) {
-    if (m_shared_send_pool) {
-      conn.send_pool = m_shared_send_pool.get();
-      return;
-    }
+    std::unique_ptr<detail::BufferPool> own;
     const auto& tx = conn.params.send_buffered_params;
-    if (tx.num_buf == 0) return;
-    conn.own_send_pool =
-        std::make_unique<detail::BufferPool>(tx.num_buf, tx.buf_size, FRAME_HEADER_SIZE, true);
-    conn.send_pool = conn.own_send_pool.get();
+    if (!m_shared_send_pool && tx.num_buf > 0) {
+      own = std::make_unique<detail::BufferPool>(tx.num_buf, tx.buf_size, FRAME_HEADER_SIZE, true);
+    }
+    const std::lock_guard lock{conn.mutex};
+    conn.own_send_pool = std::move(own);
+    conn.send_pool = m_shared_send_pool ? m_shared_send_pool.get() : conn.own_send_pool.get();
   }
 
   [[nodiscard]] static EndpointCapabilities capabilities(const Connection& conn) {
@@ -716,6 +717,9 @@ class Backend : public std::enable_shared_from_this<Backend> {
   }
 
   bool on_greeting(const std::shared_ptr<Connection>& conn, const Greeting& greeting) {
+    // Closed by the application during set-up: the posted close reports it (closed, no
+    // keys) and the connection is never reported established.
+    if (conn->close_requested.load(std::memory_order_relaxed)) return false;
     try {
       if (!conn->active()) attach_send_pool(*conn);
     } catch (const std::exception& e) {
