@@ -4,7 +4,9 @@
 #include <cerrno>
 #include <dirent.h>
 #include <fstream>
+#include <future>
 #include <netinet/in.h>
+#include <stdexcept>
 #include <sys/socket.h>
 #include <system_error>
 #include <tuple>
@@ -68,7 +70,16 @@ std::uint16_t unused_port() {
 }
 
 LoopThread::LoopThread()
-    : m_loop{std::make_shared<EpollEventLoop>()}, m_thread{[loop = m_loop] { loop->run(); }} {}
+    : m_loop{std::make_shared<EpollEventLoop>()}, m_thread{[loop = m_loop] { loop->run(); }} {
+  // Return only once run() dispatches: otherwise a run_sync() right after construction
+  // would run inline on the caller (the loop "is not running" yet) and race with it.
+  std::promise<void> running;
+  auto started = running.get_future();
+  m_loop->post([&running] { running.set_value(); });
+  if (started.wait_for(DEFAULT_TIMEOUT) != std::future_status::ready) {
+    throw std::runtime_error("LoopThread: the event loop did not start");
+  }
+}
 
 LoopThread::~LoopThread() {
   stop();

@@ -50,7 +50,8 @@ class RawListener {
 // A port on 127.0.0.1 that nobody listens on: bound by the OS, read back, released.
 [[nodiscard]] std::uint16_t unused_port();
 
-// Runs an EpollEventLoop on its own thread; stops and joins on destruction.
+// Runs an EpollEventLoop on its own thread; the constructor returns once the loop is
+// dispatching. Stops and joins on destruction.
 class LoopThread {
  public:
   LoopThread();
