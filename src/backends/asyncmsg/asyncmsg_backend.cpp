@@ -87,9 +87,7 @@ struct Listener {
   tcp::acceptor acceptor;
   FdHandle fd;  // guarded by `mutex`
   bool closed{false};
-  // Loop thread only.
-  bool paused{false};
-  Clock::time_point resume_at{};
+  Clock::time_point resume_at{};  // while in Backend::m_paused (loop thread only)
 };
 
 enum class State { CONNECTING, GREETING, OPEN, CLOSED };
@@ -423,50 +421,31 @@ class Backend : public std::enable_shared_from_this<Backend> {
     return status;
   }
 
-  NetioStatus send_zero_copy(const EndPointAddress& address, std::span<const iovec> iov,
-                             std::span<const std::uint8_t> header, std::uint64_t key) {
-    const auto conn = find_connection(address, "send_data");
+  // send_data (payload referenced in place, Payload::REFERENCE) and send_data_copy
+  // (payload copied, Payload::COPY). Frame header and header_data are always copied;
+  // consecutive copies land back to back in staging, so they leave as one iovec.
+  enum class Payload { REFERENCE, COPY };
+  NetioStatus send_message(const EndPointAddress& address, std::span<const iovec> iov,
+                           std::span<const std::uint8_t> header, std::uint64_t key,
+                           Payload payload) {
+    const auto conn =
+        find_connection(address, payload == Payload::COPY ? "send_data_copy" : "send_data");
     if (!header_ok(address, header)) return NetioStatus::FAILED;
     std::size_t size = header.size();
     for (const auto& v : iov) size += v.iov_len;
     return enqueue(conn, size, detail::PendingSend{key, nullptr}, [&](SendQueue& queue) {
       std::array<std::uint8_t, FRAME_HEADER_SIZE> frame{};
       encode_frame_header(frame.data(), static_cast<std::uint32_t>(size));
-      const std::array<std::span<const std::uint8_t>, 2> prefix{std::span{frame}, header};
-      queue.append_copy_pieces(prefix);
+      queue.append_copy(frame);
+      queue.append_copy(header);
       for (const auto& v : iov) {
-        queue.append_ref({static_cast<const std::uint8_t*>(v.iov_base), v.iov_len});
-      }
-    });
-  }
-
-  NetioStatus send_copy(const EndPointAddress& address, std::span<const iovec> iov,
-                        std::span<const std::uint8_t> header, std::uint64_t key) {
-    const auto conn = find_connection(address, "send_data_copy");
-    if (!header_ok(address, header)) return NetioStatus::FAILED;
-    std::size_t size = header.size();
-    for (const auto& v : iov) size += v.iov_len;
-    return enqueue(conn, size, detail::PendingSend{key, nullptr}, [&](SendQueue& queue) {
-      std::array<std::uint8_t, FRAME_HEADER_SIZE> frame{};
-      encode_frame_header(frame.data(), static_cast<std::uint32_t>(size));
-      constexpr std::size_t INLINE = 8;
-      if (iov.size() <= INLINE) {
-        std::array<std::span<const std::uint8_t>, INLINE + 2> pieces{};
-        pieces[0] = frame;
-        pieces[1] = header;
-        for (std::size_t i = 0; i < iov.size(); ++i) {
-          pieces.at(i + 2) = {static_cast<const std::uint8_t*>(iov[i].iov_base), iov[i].iov_len};
+        const std::span<const std::uint8_t> part{static_cast<const std::uint8_t*>(v.iov_base),
+                                                 v.iov_len};
+        if (payload == Payload::COPY) {
+          queue.append_copy(part);
+        } else {
+          queue.append_ref(part);
         }
-        queue.append_copy_pieces(std::span{pieces}.first(iov.size() + 2));
-      } else {
-        std::vector<std::span<const std::uint8_t>> pieces;
-        pieces.reserve(iov.size() + 2);
-        pieces.emplace_back(frame);
-        pieces.push_back(header);
-        for (const auto& v : iov) {
-          pieces.emplace_back(static_cast<const std::uint8_t*>(v.iov_base), v.iov_len);
-        }
-        queue.append_copy_pieces(pieces);
       }
     });
   }
@@ -627,7 +606,6 @@ class Backend : public std::enable_shared_from_this<Backend> {
       if (listener->closed) return;
       listener->fd.modify(0);
     }
-    listener->paused = true;
     listener->resume_at = Clock::now() + ACCEPT_BACKOFF;
     const std::lock_guard lock{m_mutex};
     m_paused.push_back(listener);
@@ -999,7 +977,6 @@ class Backend : public std::enable_shared_from_this<Backend> {
     for (const auto& listener : resume) {
       const std::lock_guard lock{listener->mutex};
       if (listener->closed) continue;
-      listener->paused = false;
       listener->fd.modify(EPOLLIN);
     }
     for (auto it = m_lingering.begin(); it != m_lingering.end();) {
@@ -1094,23 +1071,25 @@ class AsyncmsgBackend final : public NetworkBackend {
   NetioStatus send_data(const EndPointAddress& address, std::span<std::uint8_t> data,
                         std::span<const std::uint8_t> header_data, std::uint64_t key) override {
     const iovec iov{data.data(), data.size()};
-    return m_impl->send_zero_copy(address, std::span{&iov, 1}, header_data, key);
+    return m_impl->send_message(address, std::span{&iov, 1}, header_data, key,
+                                Backend::Payload::REFERENCE);
   }
   NetioStatus send_data(const EndPointAddress& address, std::span<const iovec> iov,
                         std::span<const std::uint8_t> header_data, std::uint64_t key) override {
-    return m_impl->send_zero_copy(address, iov, header_data, key);
+    return m_impl->send_message(address, iov, header_data, key, Backend::Payload::REFERENCE);
   }
   NetioStatus send_data_copy(const EndPointAddress& address, std::span<const std::uint8_t> data,
                              std::span<const std::uint8_t> header_data,
                              std::uint64_t key) override {
-    // iovec's base is non-const by POSIX; send_copy only reads it.
+    // iovec's base is non-const by POSIX; a copying send only reads it.
     const iovec iov{const_cast<std::uint8_t*>(data.data()), data.size()};  // NOLINT
-    return m_impl->send_copy(address, std::span{&iov, 1}, header_data, key);
+    return m_impl->send_message(address, std::span{&iov, 1}, header_data, key,
+                                Backend::Payload::COPY);
   }
   NetioStatus send_data_copy(const EndPointAddress& address, std::span<const iovec> iov,
                              std::span<const std::uint8_t> header_data,
                              std::uint64_t key) override {
-    return m_impl->send_copy(address, iov, header_data, key);
+    return m_impl->send_message(address, iov, header_data, key, Backend::Payload::COPY);
   }
   [[nodiscard]] BackendType type() const noexcept override { return BackendType::ASYNCMSG; }
 

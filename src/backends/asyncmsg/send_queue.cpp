@@ -77,10 +77,6 @@ void SendQueue::append_copy(std::span<const std::uint8_t> bytes) {
   if (!bytes.empty()) copy_bytes(bytes.data(), bytes.size());
 }
 
-void SendQueue::append_copy_pieces(std::span<const std::span<const std::uint8_t>> pieces) {
-  for (const auto& piece : pieces) append_copy(piece);
-}
-
 void SendQueue::append_ref(std::span<const std::uint8_t> bytes) {
   push_segment(bytes.data(), bytes.size(), false);
 }

@@ -63,8 +63,6 @@ class SendQueue {
   // Copies bytes into staging; a copy larger than the room left continues in the next
   // chunk (a segment never crosses a chunk boundary).
   void append_copy(std::span<const std::uint8_t> bytes);
-  // Copies the pieces of one message back to back.
-  void append_copy_pieces(std::span<const std::span<const std::uint8_t>> pieces);
   // References caller-owned memory.
   void append_ref(std::span<const std::uint8_t> bytes);
   // Marks the end of a message at the current tail.
