@@ -16,6 +16,8 @@
 
 #include <netio3/network_buffer.hpp>
 
+#include "common/buffer_pool.hpp"
+
 namespace netio3::detail {
 
 struct PendingSend {
@@ -77,5 +79,16 @@ class SendLedger {
   std::size_t m_outstanding{0};
   bool m_closed{false};
 };
+
+// Cancels every open send of a connection (closing its ledger): the buffers of buffered
+// sends go back to `pool`, the keys come back in send order for on_connection_closed_cb.
+inline std::vector<std::uint64_t> cancel_all_sends(SendLedger& ledger, BufferPool* pool) {
+  std::vector<std::uint64_t> keys;
+  for (const auto& send : ledger.cancel_all()) {
+    if (send.buffer != nullptr && pool != nullptr) pool->release(send.buffer);
+    keys.push_back(send.key);
+  }
+  return keys;
+}
 
 }  // namespace netio3::detail

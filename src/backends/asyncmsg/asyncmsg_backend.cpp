@@ -27,6 +27,7 @@
 #include <netinet/tcp.h>
 #include <sys/epoll.h>
 #include <sys/socket.h>
+#include <tuple>
 #include <unordered_map>
 #include <utility>  // before Asio: GCC 12 + Boost 1.74 need std::exchange declared first
 #include <vector>
@@ -36,7 +37,10 @@
 
 #include "backends/asyncmsg/send_queue.hpp"
 #include "backends/asyncmsg/wire.hpp"
+#include "common/backend_facade.hpp"
 #include "common/buffer_pool.hpp"
+#include "common/connection.hpp"
+#include "common/endpoint_registry.hpp"
 #include "common/endpoint_rules.hpp"
 #include "common/log.hpp"
 #include "common/notifier.hpp"
@@ -93,14 +97,12 @@ struct Listener {
 enum class State { CONNECTING, GREETING, OPEN, CLOSED };
 enum class CloseKind { LOCAL, PEER, ERROR };
 
-struct Connection {
+struct Connection : detail::ConnectionBase {
   Connection(std::shared_ptr<asio::io_context> io_, std::shared_ptr<ChunkCache> chunks,
              EndPointAddress remote_, const ConnectionParameters& params_,
              std::uint64_t listener_id_, State initial, std::size_t max_message_size,
              Clock::time_point deadline_)
-      : remote{std::move(remote_)},
-        params{params_},
-        listener_id{listener_id_},
+      : ConnectionBase{std::move(remote_), params_, listener_id_, true},
         io{std::move(io_)},
         socket{*io},
         decoder{max_message_size},
@@ -108,11 +110,6 @@ struct Connection {
         state{initial},
         queue{std::move(chunks)} {}
 
-  [[nodiscard]] bool active() const noexcept { return listener_id == 0; }
-
-  const EndPointAddress remote;
-  const ConnectionParameters params;
-  const std::uint64_t listener_id;  // 0: opened by open_active_endpoint
   std::shared_ptr<asio::io_context> io;
   tcp::socket socket;
   FdHandle fd;  // assigned and used under `mutex` (the loop may use it before add_fd returns)
@@ -122,17 +119,11 @@ struct Connection {
   bool epollout{false};
   const Clock::time_point deadline;  // for CONNECTING and GREETING
 
-  // Written on the loop thread under `mutex`; other threads read it under `mutex`.
+  // Under `mutex`; `state` is written on the loop thread only.
   State state;
-  std::atomic<bool> close_requested{false};
-
-  std::mutex mutex;
   SendQueue queue;
-  detail::SendLedger ledger;
   bool flush_pending{false};
   std::size_t max_send_message{0};  // min(own limit, peer's announced limit)
-  detail::BufferPool* send_pool{nullptr};
-  std::unique_ptr<detail::BufferPool> own_send_pool;
 };
 
 struct Lingering {
@@ -156,6 +147,9 @@ void drain_and_close(tcp::socket& socket) noexcept {
 
 class Backend : public std::enable_shared_from_this<Backend> {
  public:
+  static constexpr BackendType TYPE = BackendType::ASYNCMSG;
+  using Registry = detail::EndpointRegistry<Connection, Listener>;
+
   Backend(NetworkConfig config, std::shared_ptr<BaseEventLoop> loop)
       : m_config{std::move(config)},
         m_loop{std::move(loop)},
@@ -198,20 +192,18 @@ class Backend : public std::enable_shared_from_this<Backend> {
   // loop is not running.
   void shutdown() noexcept {
     if (m_shut_down.exchange(true)) return;
-    std::unordered_map<EndPointAddress, std::shared_ptr<Listener>> listeners;
-    std::unordered_map<EndPointAddress, std::shared_ptr<Connection>> connections;
-    std::vector<std::shared_ptr<Connection>> closing;
+    Registry::Contents all;
+    {
+      const auto held = m_registry.lock();
+      all = m_registry.take_all(held);
+    }
     {
       const std::lock_guard lock{m_mutex};
-      listeners.swap(m_listeners);
-      connections.swap(m_connections);
-      closing.swap(m_closing);
       m_handshaking.clear();
       m_paused.clear();
     }
-    for (auto& [address, listener] : listeners) close_acceptor(*listener);
-    for (auto& [address, conn] : connections) abandon(*conn);
-    for (auto& conn : closing) abandon(*conn);
+    for (auto& listener : all.listeners) close_acceptor(*listener);
+    for (auto& conn : all.connections) abandon(*conn);
     for (auto& lingering : m_lingering) {
       lingering.fd.close();
       drain_and_close(lingering.socket);
@@ -221,7 +213,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
     m_prepare.close();
     m_timer.close();
     NETIO3_DEBUG("asyncmsg: backend shut down ({} listener(s), {} connection(s) dropped)",
-                 listeners.size(), connections.size());
+                 all.listeners.size(), all.connections.size());
   }
 
   // ---- API (any thread) ------------------------------------------------------------
@@ -231,10 +223,8 @@ class Backend : public std::enable_shared_from_this<Backend> {
     detail::check_address(address, "open_listen_endpoint");
     detail::check_connection_parameters(params, m_config, true);
     const auto ip = asio::ip::make_address(address.address);
-    const std::lock_guard lock{m_mutex};
-    if (address.port != 0 && m_listeners.contains(address)) {
-      throw ListenEndpointAlreadyExists(fmt::format("asyncmsg: already listening on {}", address));
-    }
+    const auto held = m_registry.lock();
+    if (address.port != 0) m_registry.check_listen_free(held, address);
     auto listener = std::make_shared<Listener>(m_next_listener_id++, address, params, m_io);
     boost::system::error_code ec;
     const tcp::endpoint endpoint{ip, address.port};
@@ -252,9 +242,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
     const auto local = listener->acceptor.local_endpoint(ec);
     if (ec) fail("getsockname");
     EndPointAddress actual{address.address, local.port()};
-    if (m_listeners.contains(actual)) {
-      throw ListenEndpointAlreadyExists(fmt::format("asyncmsg: already listening on {}", actual));
-    }
+    m_registry.check_listen_free(held, actual);
     listener->address = actual;
     std::weak_ptr<Backend> weak = weak_from_this();
     std::weak_ptr<Listener> weak_listener = listener;
@@ -269,7 +257,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
                                       if (self && l) self->on_acceptable(l);
                                     });
     }
-    m_listeners.emplace(actual, std::move(listener));
+    m_registry.add_listener(held, actual, std::move(listener));
     NETIO3_DEBUG("asyncmsg: listening on {}", actual);
     return actual;
   }
@@ -279,11 +267,8 @@ class Backend : public std::enable_shared_from_this<Backend> {
     detail::check_connection_parameters(params, m_config, false);
     const auto ip = asio::ip::make_address(address.address);
     const tcp::endpoint endpoint{ip, address.port};
-    const std::lock_guard lock{m_mutex};
-    if (m_connections.contains(address)) {
-      throw ActiveEndpointAlreadyExists(
-          fmt::format("asyncmsg: a connection with {} already exists", address));
-    }
+    const auto held = m_registry.lock();
+    m_registry.check_connection_free(held, address);
     auto conn =
         std::make_shared<Connection>(m_io, m_chunks, address, params, 0, State::CONNECTING,
                                      m_max_message, Clock::now() + m_config.limits.connect_timeout);
@@ -301,7 +286,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
     const int err = rc == 0 ? 0 : errno;
     if (err != 0 && err != EINPROGRESS && err != EAGAIN && err != EINTR) {
       // Failed at once (e.g. no route): reported like any refusal, from the loop.
-      m_connections.emplace(address, conn);
+      m_registry.add_connection(held, conn);
       std::weak_ptr<Backend> weak = weak_from_this();
       m_loop->post([weak, conn, err] {
         if (auto self = weak.lock()) {
@@ -318,33 +303,17 @@ class Backend : public std::enable_shared_from_this<Backend> {
       const std::lock_guard conn_lock{conn->mutex};
       conn->fd = m_loop->add_fd(conn->socket.native_handle(), EPOLLOUT, socket_callback(conn));
     }
-    m_connections.emplace(address, conn);
-    track_handshake_locked(conn);
+    m_registry.add_connection(held, conn);
+    track_handshake(conn);
     NETIO3_DEBUG("asyncmsg: connecting to {}", address);
   }
 
   void close_listen_endpoint(const EndPointAddress& address) {
-    detail::check_address(address, "close_listen_endpoint");
     std::shared_ptr<Listener> listener;
     std::vector<std::shared_ptr<Connection>> children;
     {
-      const std::lock_guard lock{m_mutex};
-      const auto it = m_listeners.find(address);
-      if (it == m_listeners.end()) {
-        throw UnknownListenEndpoint(fmt::format("asyncmsg: not listening on {}", address));
-      }
-      listener = std::move(it->second);
-      m_listeners.erase(it);
-      for (auto c = m_connections.begin(); c != m_connections.end();) {
-        if (c->second->listener_id == listener->id) {
-          c->second->close_requested.store(true);
-          children.push_back(std::move(c->second));
-          c = m_connections.erase(c);
-        } else {
-          ++c;
-        }
-      }
-      for (const auto& child : children) m_closing.push_back(child);
+      const auto held = m_registry.lock();
+      std::tie(listener, children) = m_registry.take_listener(held, address);
     }
     close_acceptor(*listener);
     NETIO3_DEBUG("asyncmsg: stopped listening on {} ({} connection(s) to close)", address,
@@ -363,16 +332,8 @@ class Backend : public std::enable_shared_from_this<Backend> {
   void close_active_endpoint(const EndPointAddress& address) {
     std::shared_ptr<Connection> conn;
     {
-      const std::lock_guard lock{m_mutex};
-      const auto it = m_connections.find(address);
-      if (it == m_connections.end()) {
-        detail::check_address(address, "close_active_endpoint");
-        throw UnknownActiveEndpoint(fmt::format("asyncmsg: no connection with {}", address));
-      }
-      conn = std::move(it->second);
-      m_connections.erase(it);
-      conn->close_requested.store(true);
-      m_closing.push_back(conn);
+      const auto held = m_registry.lock();
+      conn = m_registry.take_for_close(held, address);
     }
     std::weak_ptr<Backend> weak = weak_from_this();
     m_loop->post([weak, conn = std::move(conn)] {
@@ -381,35 +342,13 @@ class Backend : public std::enable_shared_from_this<Backend> {
   }
 
   NetworkBuffer* get_buffer(const EndPointAddress& address) {
-    const auto conn = find_connection(address, "get_buffer");
-    detail::BufferPool* pool = nullptr;
-    {
-      const std::lock_guard lock{conn->mutex};
-      pool = conn->send_pool;
-    }
-    if (pool == nullptr) {
-      throw NoBuffersAllocated(fmt::format(
-          "asyncmsg: connection with {} has no send buffers (send_buffered_params.num_buf was 0 "
-          "and shared send buffers are off)",
-          address));
-    }
-    return pool->acquire();
+    return detail::acquire_send_buffer(*m_registry.get(address, "get_buffer"), NAME);
   }
 
   NetioStatus send_buffer(const EndPointAddress& address, NetworkBuffer* buffer) {
-    const auto conn = find_connection(address, "send_buffer");
-    detail::BufferPool* pool = nullptr;
-    {
-      const std::lock_guard lock{conn->mutex};
-      pool = conn->send_pool;
-    }
-    if (pool == nullptr || !pool->begin_send(buffer)) {
-      NETIO3_WARN(
-          "asyncmsg: send_buffer to {}: not a buffer handed out by get_buffer for this "
-          "connection (or already sent)",
-          address);
-      return NetioStatus::FAILED;
-    }
+    const auto conn = m_registry.get(address, "send_buffer");
+    detail::BufferPool* pool = detail::claim_send_buffer(*conn, buffer, NAME);
+    if (pool == nullptr) return NetioStatus::FAILED;
     const std::size_t size = buffer->size();
     std::uint8_t* frame = detail::BufferPool::headroom_of(buffer, FRAME_HEADER_SIZE);
     const auto status =
@@ -421,6 +360,17 @@ class Backend : public std::enable_shared_from_this<Backend> {
     return status;
   }
 
+  NetioStatus send_data(const EndPointAddress& address, std::span<const iovec> iov,
+                        std::span<const std::uint8_t> header, std::uint64_t key) {
+    return send_message(address, iov, header, key, Payload::REFERENCE);
+  }
+
+  NetioStatus send_data_copy(const EndPointAddress& address, std::span<const iovec> iov,
+                             std::span<const std::uint8_t> header, std::uint64_t key) {
+    return send_message(address, iov, header, key, Payload::COPY);
+  }
+
+ private:
   // send_data (payload referenced in place, Payload::REFERENCE) and send_data_copy
   // (payload copied, Payload::COPY). Frame header and header_data are always copied;
   // consecutive copies land back to back in staging, so they leave as one iovec.
@@ -429,8 +379,8 @@ class Backend : public std::enable_shared_from_this<Backend> {
                            std::span<const std::uint8_t> header, std::uint64_t key,
                            Payload payload) {
     const auto conn =
-        find_connection(address, payload == Payload::COPY ? "send_data_copy" : "send_data");
-    if (!header_ok(address, header)) return NetioStatus::FAILED;
+        m_registry.get(address, payload == Payload::COPY ? "send_data_copy" : "send_data");
+    if (!detail::header_ok(address, header, NAME)) return NetioStatus::FAILED;
     std::size_t size = header.size();
     for (const auto& v : iov) size += v.iov_len;
     return enqueue(conn, size, detail::PendingSend{key, nullptr}, [&](SendQueue& queue) {
@@ -450,26 +400,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
     });
   }
 
- private:
   // ---- helpers shared by the API ----------------------------------------------------
-
-  std::shared_ptr<Connection> find_connection(const EndPointAddress& address,
-                                              std::string_view api) {
-    {
-      const std::lock_guard lock{m_mutex};
-      const auto it = m_connections.find(address);
-      if (it != m_connections.end()) return it->second;
-    }
-    detail::check_address(address, api);
-    throw UnknownActiveEndpoint(fmt::format("asyncmsg: {}: no connection with {}", api, address));
-  }
-
-  static bool header_ok(const EndPointAddress& address, std::span<const std::uint8_t> header) {
-    if (header.size() <= MAX_HEADER_SIZE) return true;
-    NETIO3_WARN("asyncmsg: send to {}: header_data of {} bytes exceeds the limit of {}", address,
-                header.size(), MAX_HEADER_SIZE);
-    return false;
-  }
 
   // Accepts one message into the connection's queue (or says why not).
   template <typename Fill>
@@ -510,17 +441,8 @@ class Backend : public std::enable_shared_from_this<Backend> {
     if (was_empty && !m_loop->in_loop_thread()) m_flush_signal.fire();
   }
 
-  // Gives the connection its send buffers: the shared pool, or its own (allocated before
-  // taking the connection's lock; get_buffer may look at the pointer from any thread).
   void attach_send_pool(Connection& conn) {
-    std::unique_ptr<detail::BufferPool> own;
-    const auto& tx = conn.params.send_buffered_params;
-    if (!m_shared_send_pool && tx.num_buf > 0) {
-      own = std::make_unique<detail::BufferPool>(tx.num_buf, tx.buf_size, FRAME_HEADER_SIZE, true);
-    }
-    const std::lock_guard lock{conn.mutex};
-    conn.own_send_pool = std::move(own);
-    conn.send_pool = m_shared_send_pool ? m_shared_send_pool.get() : conn.own_send_pool.get();
+    detail::attach_send_pool(conn, m_shared_send_pool.get(), FRAME_HEADER_SIZE, true);
   }
 
   [[nodiscard]] static EndpointCapabilities capabilities(const Connection& conn) {
@@ -539,7 +461,8 @@ class Backend : public std::enable_shared_from_this<Backend> {
         };
   }
 
-  void track_handshake_locked(const std::shared_ptr<Connection>& conn) {
+  void track_handshake(const std::shared_ptr<Connection>& conn) {
+    const std::lock_guard lock{m_mutex};
     m_handshaking.push_back(conn);
     if (!m_timer_armed) {
       m_timer_armed = true;
@@ -631,9 +554,9 @@ class Backend : public std::enable_shared_from_this<Backend> {
                                              Clock::now() + m_config.limits.connect_timeout);
     conn->socket = std::move(socket);
     {
-      const std::lock_guard lock{m_mutex};
-      if (!m_listeners.contains(listener->address)) return;  // closed meanwhile
-      if (m_connections.contains(remote)) {
+      const auto held = m_registry.lock();
+      if (!m_registry.has_listener(held, listener->address)) return;  // closed meanwhile
+      if (m_registry.find(held, remote)) {
         NETIO3_WARN("asyncmsg: dropping connection from {}: a connection with that address exists",
                     remote);
         return;
@@ -642,8 +565,8 @@ class Backend : public std::enable_shared_from_this<Backend> {
         const std::lock_guard conn_lock{conn->mutex};
         conn->fd = m_loop->add_fd(conn->socket.native_handle(), EPOLLIN, socket_callback(conn));
       }
-      m_connections.emplace(remote, conn);
-      track_handshake_locked(conn);
+      m_registry.add_connection(held, conn);
+      track_handshake(conn);
     }
     NETIO3_DEBUG("asyncmsg: accepted connection from {} on {}", remote, listener->address);
     send_greeting(conn);
@@ -860,46 +783,28 @@ class Backend : public std::enable_shared_from_this<Backend> {
       return;
     }
     State previous{};
-    std::vector<detail::PendingSend> cancelled;
+    std::vector<std::uint64_t> keys;
     {
       const std::lock_guard lock{conn->mutex};
       previous = conn->state;
       if (previous == State::CLOSED) return;
       conn->state = State::CLOSED;
-      cancelled = conn->ledger.cancel_all();
+      keys = detail::cancel_all_sends(conn->ledger, conn->send_pool);
       conn->queue.clear();
       conn->flush_pending = false;
       conn->fd.close();
     }
     {
-      const std::lock_guard lock{m_mutex};
-      const auto it = m_connections.find(conn->remote);
-      if (it != m_connections.end() && it->second == conn) m_connections.erase(it);
-      std::erase(m_closing, conn);
-    }
-    std::vector<std::uint64_t> keys;
-    keys.reserve(cancelled.size());
-    for (const auto& send : cancelled) {
-      if (send.buffer != nullptr) conn->send_pool->release(send.buffer);
-      keys.push_back(send.key);
+      const auto held = m_registry.lock();
+      m_registry.remove(held, conn);
     }
     if (kind == CloseKind::LOCAL && previous == State::OPEN) {
       linger(*conn);
     } else {
       drain_and_close(conn->socket);
     }
-    if (previous == State::OPEN) {
-      m_notifier.closed(conn->remote, keys, reason);
-    } else if (conn->active()) {
-      if (kind == CloseKind::LOCAL) {
-        m_notifier.closed(conn->remote, keys, reason);
-      } else {
-        m_notifier.refused(conn->remote, reason);
-      }
-    } else {
-      NETIO3_DEBUG("asyncmsg: dropped incoming connection from {} before it was established: {}",
-                   conn->remote, reason);
-    }
+    m_notifier.connection_ended(conn->remote, previous == State::OPEN, conn->active(),
+                                kind == CloseKind::LOCAL, keys, reason);
   }
 
   void linger(Connection& conn) {
@@ -1004,11 +909,8 @@ class Backend : public std::enable_shared_from_this<Backend> {
   std::unique_ptr<detail::BufferPool> m_shared_send_pool;
   std::atomic<bool> m_shut_down{false};
 
-  std::mutex m_mutex;  // the tables below, m_timer_armed
-  std::unordered_map<EndPointAddress, std::shared_ptr<Listener>> m_listeners;
-  std::unordered_map<EndPointAddress, std::shared_ptr<Connection>> m_connections;
-  // Closed by the application, waiting for the loop to finish the close.
-  std::vector<std::shared_ptr<Connection>> m_closing;
+  Registry m_registry{NAME};
+  std::mutex m_mutex;  // set-up deadlines, paused listeners, m_timer_armed; after m_registry's
   std::vector<std::weak_ptr<Connection>> m_handshaking;
   std::vector<std::shared_ptr<Listener>> m_paused;
   std::uint64_t m_next_listener_id{1};
@@ -1027,82 +929,11 @@ class Backend : public std::enable_shared_from_this<Backend> {
   EventTimerHandle m_timer;
 };
 
-// The public face: forwards to the shared Backend so that a callback running on the loop
-// keeps it alive even if the application destroys this object from inside the callback.
-class AsyncmsgBackend final : public NetworkBackend {
- public:
-  AsyncmsgBackend(NetworkConfig config, std::shared_ptr<BaseEventLoop> loop)
-      : m_loop{loop}, m_impl{std::make_shared<Backend>(std::move(config), std::move(loop))} {
-    m_impl->start();
-  }
-  AsyncmsgBackend(const AsyncmsgBackend&) = delete;
-  AsyncmsgBackend& operator=(const AsyncmsgBackend&) = delete;
-  AsyncmsgBackend(AsyncmsgBackend&&) = delete;
-  AsyncmsgBackend& operator=(AsyncmsgBackend&&) = delete;
-
-  ~AsyncmsgBackend() override {
-    try {
-      m_loop->run_sync([impl = m_impl] { impl->shutdown(); });
-    } catch (const std::exception& e) {
-      NETIO3_ERROR("asyncmsg: error while destroying the backend: {}", e.what());
-    }
-  }
-
-  EndPointAddress open_listen_endpoint(const EndPointAddress& address,
-                                       const ConnectionParameters& params) override {
-    return m_impl->open_listen_endpoint(address, params);
-  }
-  void open_active_endpoint(const EndPointAddress& address,
-                            const ConnectionParameters& params) override {
-    m_impl->open_active_endpoint(address, params);
-  }
-  void close_listen_endpoint(const EndPointAddress& address) override {
-    m_impl->close_listen_endpoint(address);
-  }
-  void close_active_endpoint(const EndPointAddress& address) override {
-    m_impl->close_active_endpoint(address);
-  }
-  NetworkBuffer* get_buffer(const EndPointAddress& address) override {
-    return m_impl->get_buffer(address);
-  }
-  NetioStatus send_buffer(const EndPointAddress& address, NetworkBuffer* buffer) override {
-    return m_impl->send_buffer(address, buffer);
-  }
-  NetioStatus send_data(const EndPointAddress& address, std::span<std::uint8_t> data,
-                        std::span<const std::uint8_t> header_data, std::uint64_t key) override {
-    const iovec iov{data.data(), data.size()};
-    return m_impl->send_message(address, std::span{&iov, 1}, header_data, key,
-                                Backend::Payload::REFERENCE);
-  }
-  NetioStatus send_data(const EndPointAddress& address, std::span<const iovec> iov,
-                        std::span<const std::uint8_t> header_data, std::uint64_t key) override {
-    return m_impl->send_message(address, iov, header_data, key, Backend::Payload::REFERENCE);
-  }
-  NetioStatus send_data_copy(const EndPointAddress& address, std::span<const std::uint8_t> data,
-                             std::span<const std::uint8_t> header_data,
-                             std::uint64_t key) override {
-    // iovec's base is non-const by POSIX; a copying send only reads it.
-    const iovec iov{const_cast<std::uint8_t*>(data.data()), data.size()};  // NOLINT
-    return m_impl->send_message(address, std::span{&iov, 1}, header_data, key,
-                                Backend::Payload::COPY);
-  }
-  NetioStatus send_data_copy(const EndPointAddress& address, std::span<const iovec> iov,
-                             std::span<const std::uint8_t> header_data,
-                             std::uint64_t key) override {
-    return m_impl->send_message(address, iov, header_data, key, Backend::Payload::COPY);
-  }
-  [[nodiscard]] BackendType type() const noexcept override { return BackendType::ASYNCMSG; }
-
- private:
-  std::shared_ptr<BaseEventLoop> m_loop;
-  std::shared_ptr<Backend> m_impl;
-};
-
 }  // namespace
 
 std::unique_ptr<NetworkBackend> create_backend(NetworkConfig config,
                                                std::shared_ptr<BaseEventLoop> loop) {
-  return std::make_unique<AsyncmsgBackend>(std::move(config), std::move(loop));
+  return std::make_unique<detail::BackendFacade<Backend>>(std::move(config), std::move(loop));
 }
 
 }  // namespace netio3::asyncmsg

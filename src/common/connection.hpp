@@ -1,0 +1,109 @@
+#pragma once
+
+// What every backend's connection carries besides its transport objects, and the parts
+// of the send API that do not depend on the transport.
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string_view>
+
+#include <fmt/format.h>
+#include <netio3/exceptions.hpp>
+#include <netio3/network_backend.hpp>
+#include <netio3/types.hpp>
+
+#include "common/buffer_pool.hpp"
+#include "common/log.hpp"
+#include "common/send_ledger.hpp"
+#include "common/thread_model.hpp"
+
+namespace netio3::detail {
+
+struct ConnectionBase {
+  ConnectionBase(EndPointAddress remote_, const ConnectionParameters& params_,
+                 std::uint64_t listener_id_, bool thread_safe)
+      : remote{std::move(remote_)},
+        params{params_},
+        listener_id{listener_id_},
+        mutex{thread_safe} {}
+
+  [[nodiscard]] bool active() const noexcept { return listener_id == 0; }
+
+  const EndPointAddress remote;
+  const ConnectionParameters params;
+  const std::uint64_t listener_id;  // 0: opened by open_active_endpoint
+  // Set when the application closed the connection (or its listener); sends fail from then.
+  std::atomic<bool> close_requested{false};
+
+  // Guards what follows (and the backend's own per-connection state).
+  OptionalMutex mutex;
+  SendLedger ledger;
+  BufferPool* send_pool{nullptr};  // shared or own_send_pool; null: no buffered sending
+  std::unique_ptr<BufferPool> own_send_pool;
+};
+
+// Gives `conn` its send buffers: `shared` if there is one, else its own pool when
+// send_buffered_params asks for buffers (allocated before taking the connection's lock:
+// get_buffer reads the pointer from any thread). `headroom` bytes in front of each buffer
+// are the transport's.
+inline void attach_send_pool(ConnectionBase& conn, BufferPool* shared, std::size_t headroom,
+                             bool thread_safe) {
+  std::unique_ptr<BufferPool> own;
+  const auto& tx = conn.params.send_buffered_params;
+  if (shared == nullptr && tx.num_buf > 0) {
+    own = std::make_unique<BufferPool>(tx.num_buf, tx.buf_size, headroom, thread_safe);
+  }
+  const std::lock_guard lock{conn.mutex};
+  conn.own_send_pool = std::move(own);
+  conn.send_pool = shared != nullptr ? shared : conn.own_send_pool.get();
+}
+
+// get_buffer: a free buffer of the connection's pool, nullptr when all are in use, or
+// NoBuffersAllocated.
+inline NetworkBuffer* acquire_send_buffer(ConnectionBase& conn, std::string_view backend) {
+  BufferPool* pool = nullptr;
+  {
+    const std::lock_guard lock{conn.mutex};
+    pool = conn.send_pool;
+  }
+  if (pool == nullptr) {
+    throw NoBuffersAllocated(
+        fmt::format("{}: connection with {} has no send buffers (send_buffered_params.num_buf "
+                    "was 0, zero-copy was requested, or shared send buffers are off)",
+                    backend, conn.remote));
+  }
+  return pool->acquire();
+}
+
+// send_buffer, first half: the pool that lent `buffer` to this connection, with the
+// buffer marked in flight; nullptr (logged) for a buffer that is not ours to send. Undo
+// with pool->abort_send(buffer) if the send is then refused.
+inline BufferPool* claim_send_buffer(ConnectionBase& conn, NetworkBuffer* buffer,
+                                     std::string_view backend) {
+  BufferPool* pool = nullptr;
+  {
+    const std::lock_guard lock{conn.mutex};
+    pool = conn.send_pool;
+  }
+  if (pool == nullptr || !pool->begin_send(buffer)) {
+    NETIO3_WARN(
+        "{}: send_buffer to {}: not a buffer handed out by get_buffer for this connection (or "
+        "already sent)",
+        backend, conn.remote);
+    return nullptr;
+  }
+  return pool;
+}
+
+// header_data may have at most MAX_HEADER_SIZE bytes; false (logged) otherwise.
+inline bool header_ok(const EndPointAddress& remote, std::span<const std::uint8_t> header,
+                      std::string_view backend) {
+  if (header.size() <= MAX_HEADER_SIZE) return true;
+  NETIO3_WARN("{}: send to {}: header_data of {} bytes exceeds the limit of {}", backend, remote,
+              header.size(), MAX_HEADER_SIZE);
+  return false;
+}
+
+}  // namespace netio3::detail

@@ -1,0 +1,166 @@
+#pragma once
+
+// The endpoint tables every backend keeps: listeners by the address they listen on,
+// connections by their remote address, and connections the application closed whose close
+// the loop has not finished yet. The same checks and exceptions for every transport.
+//
+// The registry owns its mutex. Every member takes a `Lock` as proof that the caller holds
+// it, so a backend can compose "check, create, register, insert" into one critical
+// section (a readiness event may be dispatched before that sequence returns).
+//
+// Conn needs: `remote` (EndPointAddress), `listener_id` (0 for active endpoints) and
+// `close_requested` (std::atomic<bool>). Listener needs: `id` (> 0).
+
+#include <memory>
+#include <mutex>
+#include <string_view>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include <fmt/format.h>
+#include <netio3/exceptions.hpp>
+#include <netio3/types.hpp>
+
+#include "common/endpoint_rules.hpp"
+
+namespace netio3::detail {
+
+template <typename Conn, typename Listener>
+class EndpointRegistry {
+ public:
+  using Lock = std::unique_lock<std::mutex>;
+
+  explicit EndpointRegistry(std::string_view backend) : m_backend{backend} {}
+
+  [[nodiscard]] Lock lock() { return Lock{m_mutex}; }
+
+  // ---- listeners -----------------------------------------------------------------------
+
+  // Throws ListenEndpointAlreadyExists if `address` (with a fixed port) is in use.
+  void check_listen_free(const Lock& /*held*/, const EndPointAddress& address) const {
+    if (m_listeners.contains(address)) {
+      throw ListenEndpointAlreadyExists(
+          fmt::format("{}: already listening on {}", m_backend, address));
+    }
+  }
+
+  void add_listener(const Lock& held, const EndPointAddress& address,
+                    std::shared_ptr<Listener> listener) {
+    check_listen_free(held, address);
+    m_listeners.emplace(address, std::move(listener));
+  }
+
+  [[nodiscard]] bool has_listener(const Lock& /*held*/, const EndPointAddress& address) const {
+    return m_listeners.contains(address);
+  }
+
+  // Removes the listener and every connection it spawned (those are marked close-requested
+  // and kept until remove()). Throws InvalidEndpointAddress / UnknownListenEndpoint.
+  std::pair<std::shared_ptr<Listener>, std::vector<std::shared_ptr<Conn>>> take_listener(
+      const Lock& /*held*/, const EndPointAddress& address) {
+    const auto it = m_listeners.find(address);
+    if (it == m_listeners.end()) {
+      check_address(address, "close_listen_endpoint");
+      throw UnknownListenEndpoint(fmt::format("{}: not listening on {}", m_backend, address));
+    }
+    auto listener = std::move(it->second);
+    m_listeners.erase(it);
+    const std::uint64_t id = listener->id;
+    std::vector<std::shared_ptr<Conn>> children;
+    for (auto c = m_connections.begin(); c != m_connections.end();) {
+      if (c->second->listener_id == id) {
+        c->second->close_requested.store(true);
+        m_closing.push_back(c->second);
+        children.push_back(std::move(c->second));
+        c = m_connections.erase(c);
+      } else {
+        ++c;
+      }
+    }
+    return {std::move(listener), std::move(children)};
+  }
+
+  // ---- connections ---------------------------------------------------------------------
+
+  [[nodiscard]] std::shared_ptr<Conn> find(const Lock& /*held*/,
+                                           const EndPointAddress& address) const {
+    const auto it = m_connections.find(address);
+    return it == m_connections.end() ? nullptr : it->second;
+  }
+
+  // The connection with `address`; throws InvalidEndpointAddress or UnknownActiveEndpoint.
+  [[nodiscard]] std::shared_ptr<Conn> get(const EndPointAddress& address, std::string_view api) {
+    {
+      const Lock held = lock();
+      if (auto conn = find(held, address)) return conn;
+    }
+    check_address(address, api);
+    throw UnknownActiveEndpoint(
+        fmt::format("{}: {}: no connection with {}", m_backend, api, address));
+  }
+
+  // Throws ActiveEndpointAlreadyExists.
+  void check_connection_free(const Lock& /*held*/, const EndPointAddress& address) const {
+    if (m_connections.contains(address)) {
+      throw ActiveEndpointAlreadyExists(
+          fmt::format("{}: a connection with {} already exists", m_backend, address));
+    }
+  }
+
+  // Adds a connection whose address was checked free under the same lock.
+  void add_connection(const Lock& /*held*/, std::shared_ptr<Conn> conn) {
+    const EndPointAddress address = conn->remote;
+    m_connections.emplace(address, std::move(conn));
+  }
+
+  // For close_active_endpoint: removes the connection at once (its address can be opened
+  // again), marks it close-requested and keeps it until remove(). Throws
+  // InvalidEndpointAddress / UnknownActiveEndpoint.
+  [[nodiscard]] std::shared_ptr<Conn> take_for_close(const Lock& /*held*/,
+                                                     const EndPointAddress& address) {
+    const auto it = m_connections.find(address);
+    if (it == m_connections.end()) {
+      check_address(address, "close_active_endpoint");
+      throw UnknownActiveEndpoint(
+          fmt::format("{}: close_active_endpoint: no connection with {}", m_backend, address));
+    }
+    auto conn = std::move(it->second);
+    m_connections.erase(it);
+    conn->close_requested.store(true);
+    m_closing.push_back(conn);
+    return conn;
+  }
+
+  // The loop finished closing `conn`: forget it.
+  void remove(const Lock& /*held*/, const std::shared_ptr<Conn>& conn) {
+    const auto it = m_connections.find(conn->remote);
+    if (it != m_connections.end() && it->second == conn) m_connections.erase(it);
+    std::erase(m_closing, conn);
+  }
+
+  // Everything, for the backend's shutdown; the registry is empty afterwards.
+  struct Contents {
+    std::vector<std::shared_ptr<Listener>> listeners;
+    std::vector<std::shared_ptr<Conn>> connections;  // open, in set-up, or closing
+  };
+  [[nodiscard]] Contents take_all(const Lock& /*held*/) {
+    Contents all;
+    for (auto& [address, listener] : m_listeners) all.listeners.push_back(std::move(listener));
+    for (auto& [address, conn] : m_connections) all.connections.push_back(std::move(conn));
+    for (auto& conn : m_closing) all.connections.push_back(std::move(conn));
+    m_listeners.clear();
+    m_connections.clear();
+    m_closing.clear();
+    return all;
+  }
+
+ private:
+  std::string_view m_backend;
+  std::mutex m_mutex;
+  std::unordered_map<EndPointAddress, std::shared_ptr<Listener>> m_listeners;
+  std::unordered_map<EndPointAddress, std::shared_ptr<Conn>> m_connections;
+  std::vector<std::shared_ptr<Conn>> m_closing;
+};
+
+}  // namespace netio3::detail
