@@ -20,7 +20,8 @@ enum class LogLevel { trace, debug, info, warn, error, off };
 
 // Receives one complete message (no trailing newline). Called from whichever thread
 // logged (usually the event-loop thread), concurrently from several threads, never under a
-// lock of the library; it must not throw.
+// lock of the library; it must not throw. It runs on the logging thread, usually the event
+// loop's: a sink that blocks or is slow delays every connection of that loop.
 using LogSink = std::function<void(LogLevel level, std::string_view message)>;
 
 // Messages below this level are not formatted at all.

@@ -258,12 +258,18 @@ class LogCapture {
 
   // Waits for a line that names `address` (as "ip:port", not as a prefix of a longer port)
   // and contains one of `reasons`.
+  // The waits below run under the mutex the log sink takes on the loop thread, so they
+  // look only at lines that arrived since their last look: rescanning everything on each
+  // new line would stall the loop (quadratic in the number of lines).
   bool wait_line(const EndPointAddress& address, std::vector<std::string> reasons,
                  std::chrono::milliseconds timeout = PROMPT) {
+    std::size_t scanned = 0;
     std::unique_lock lock{m_state->mutex};
     return m_state->cv.wait_for(lock, timeout, [&] {
-      return std::any_of(m_state->lines.begin(), m_state->lines.end(),
-                         [&](const std::string& l) { return matches(l, address, reasons); });
+      for (; scanned < m_state->lines.size(); ++scanned) {
+        if (matches(m_state->lines[scanned], address, reasons)) return true;
+      }
+      return false;
     });
   }
 
@@ -277,12 +283,16 @@ class LogCapture {
   // Waits until every address of `addresses` is named by a line containing `reason`.
   bool wait_all(const std::vector<EndPointAddress>& addresses, const std::string& reason,
                 std::chrono::milliseconds timeout) {
+    std::vector<EndPointAddress> pending = addresses;
+    std::size_t scanned = 0;
     std::unique_lock lock{m_state->mutex};
     return m_state->cv.wait_for(lock, timeout, [&] {
-      return std::all_of(addresses.begin(), addresses.end(), [&](const EndPointAddress& a) {
-        return std::any_of(m_state->lines.begin(), m_state->lines.end(),
-                           [&](const std::string& l) { return matches(l, a, {reason}); });
-      });
+      for (; scanned < m_state->lines.size(); ++scanned) {
+        const std::string& line = m_state->lines[scanned];
+        if (line.find(reason) == std::string::npos) continue;
+        std::erase_if(pending, [&](const EndPointAddress& a) { return names(line, a); });
+      }
+      return pending.empty();
     });
   }
 
