@@ -25,6 +25,7 @@
 #include <mutex>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <optional>
 #include <sys/epoll.h>
 #include <sys/socket.h>
 #include <tuple>
@@ -45,6 +46,7 @@
 #include "common/log.hpp"
 #include "common/notifier.hpp"
 #include "common/send_ledger.hpp"
+#include "common/setup_deadlines.hpp"
 
 namespace netio3::asyncmsg {
 namespace {
@@ -100,13 +102,11 @@ enum class CloseKind { LOCAL, PEER, ERROR };
 struct Connection : detail::ConnectionBase {
   Connection(std::shared_ptr<asio::io_context> io_, std::shared_ptr<ChunkCache> chunks,
              EndPointAddress remote_, const ConnectionParameters& params_,
-             std::uint64_t listener_id_, State initial, std::size_t max_message_size,
-             Clock::time_point deadline_)
+             std::uint64_t listener_id_, State initial, std::size_t max_message_size)
       : ConnectionBase{std::move(remote_), params_, listener_id_, true},
         io{std::move(io_)},
         socket{*io},
         decoder{max_message_size},
-        deadline{deadline_},
         state{initial},
         queue{std::move(chunks)} {}
 
@@ -117,7 +117,6 @@ struct Connection : detail::ConnectionBase {
   // Loop thread only.
   FrameDecoder decoder;
   bool epollout{false};
-  const Clock::time_point deadline;  // for CONNECTING and GREETING
 
   // Under `mutex`; `state` is written on the loop thread only.
   State state;
@@ -186,6 +185,14 @@ class Backend : public std::enable_shared_from_this<Backend> {
     m_timer = m_loop->create_timer([weak] {
       if (auto self = weak.lock()) self->housekeeping();
     });
+    m_deadlines.emplace(
+        *m_loop, m_config.limits.connect_timeout,
+        [](const Connection& conn) {
+          return conn.state == State::CONNECTING || conn.state == State::GREETING;
+        },
+        [weak](const std::shared_ptr<Connection>& conn) {
+          if (auto self = weak.lock()) self->setup_timed_out(conn);
+        });
   }
 
   // Closes everything without callbacks. Runs on the loop thread, or inline when the
@@ -199,7 +206,6 @@ class Backend : public std::enable_shared_from_this<Backend> {
     }
     {
       const std::lock_guard lock{m_mutex};
-      m_handshaking.clear();
       m_paused.clear();
     }
     for (auto& listener : all.listeners) close_acceptor(*listener);
@@ -212,6 +218,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
     m_flush_signal.close();
     m_prepare.close();
     m_timer.close();
+    m_deadlines->close();
     NETIO3_DEBUG("asyncmsg: backend shut down ({} listener(s), {} connection(s) dropped)",
                  all.listeners.size(), all.connections.size());
   }
@@ -269,9 +276,8 @@ class Backend : public std::enable_shared_from_this<Backend> {
     const tcp::endpoint endpoint{ip, address.port};
     const auto held = m_registry.lock();
     m_registry.check_connection_free(held, address);
-    auto conn =
-        std::make_shared<Connection>(m_io, m_chunks, address, params, 0, State::CONNECTING,
-                                     m_max_message, Clock::now() + m_config.limits.connect_timeout);
+    auto conn = std::make_shared<Connection>(m_io, m_chunks, address, params, 0, State::CONNECTING,
+                                             m_max_message);
     attach_send_pool(*conn);
     boost::system::error_code ec;
     const auto fail = [&](std::string_view step, const std::string& why) {
@@ -304,7 +310,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
       conn->fd = m_loop->add_fd(conn->socket.native_handle(), EPOLLOUT, socket_callback(conn));
     }
     m_registry.add_connection(held, conn);
-    track_handshake(conn);
+    m_deadlines->track(conn);
     NETIO3_DEBUG("asyncmsg: connecting to {}", address);
   }
 
@@ -461,15 +467,6 @@ class Backend : public std::enable_shared_from_this<Backend> {
         };
   }
 
-  void track_handshake(const std::shared_ptr<Connection>& conn) {
-    const std::lock_guard lock{m_mutex};
-    m_handshaking.push_back(conn);
-    if (!m_timer_armed) {
-      m_timer_armed = true;
-      m_timer.start(HOUSEKEEPING_PERIOD);
-    }
-  }
-
   void close_acceptor(Listener& listener) noexcept {
     const std::lock_guard lock{listener.mutex};
     if (listener.closed) return;
@@ -550,8 +547,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
     }
     EndPointAddress remote{peer.address().to_string(), peer.port()};
     auto conn = std::make_shared<Connection>(m_io, m_chunks, remote, listener->params, listener->id,
-                                             State::GREETING, m_max_message,
-                                             Clock::now() + m_config.limits.connect_timeout);
+                                             State::GREETING, m_max_message);
     conn->socket = std::move(socket);
     {
       const auto held = m_registry.lock();
@@ -566,7 +562,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
         conn->fd = m_loop->add_fd(conn->socket.native_handle(), EPOLLIN, socket_callback(conn));
       }
       m_registry.add_connection(held, conn);
-      track_handshake(conn);
+      m_deadlines->track(conn);
     }
     NETIO3_DEBUG("asyncmsg: accepted connection from {} on {}", remote, listener->address);
     send_greeting(conn);
@@ -848,36 +844,28 @@ class Backend : public std::enable_shared_from_this<Backend> {
     m_lingering.erase(it);
   }
 
+  void setup_timed_out(const std::shared_ptr<Connection>& conn) {
+    assert_loop_thread();
+    if (m_shut_down) return;
+    const auto reason = fmt::format("connection set-up timed out after {} ms",
+                                    m_config.limits.connect_timeout.count());
+    NETIO3_WARN("asyncmsg: connection with {}: {}", conn->remote, reason);
+    close_connection(conn, reason, CloseKind::ERROR);
+  }
+
+  // Lingering sockets and paused listeners.
   void housekeeping() {
     assert_loop_thread();
     if (m_shut_down) return;
     const auto now = Clock::now();
-    std::vector<std::shared_ptr<Connection>> expired;
     std::vector<std::shared_ptr<Listener>> resume;
     {
       const std::lock_guard lock{m_mutex};
-      std::erase_if(m_handshaking, [&](const std::weak_ptr<Connection>& weak) {
-        auto conn = weak.lock();
-        if (!conn) return true;
-        const State state = conn->state;  // written only on this thread
-        if (state == State::OPEN || state == State::CLOSED) return true;
-        if (now < conn->deadline) return false;
-        expired.push_back(std::move(conn));
-        return true;
-      });
       std::erase_if(m_paused, [&](const std::shared_ptr<Listener>& l) {
         if (now < l->resume_at) return false;
         resume.push_back(l);
         return true;
       });
-    }
-    for (const auto& conn : expired) {
-      NETIO3_WARN("asyncmsg: connection set-up with {} timed out after {} ms", conn->remote,
-                  m_config.limits.connect_timeout.count());
-      close_connection(conn,
-                       fmt::format("connection set-up timed out after {} ms",
-                                   m_config.limits.connect_timeout.count()),
-                       CloseKind::ERROR);
     }
     for (const auto& listener : resume) {
       const std::lock_guard lock{listener->mutex};
@@ -894,7 +882,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
       it = m_lingering.erase(it);
     }
     const std::lock_guard lock{m_mutex};
-    if (m_handshaking.empty() && m_paused.empty() && m_lingering.empty()) {
+    if (m_paused.empty() && m_lingering.empty()) {
       m_timer_armed = false;
       m_timer.stop();
     }
@@ -910,8 +898,9 @@ class Backend : public std::enable_shared_from_this<Backend> {
   std::atomic<bool> m_shut_down{false};
 
   Registry m_registry{NAME};
-  std::mutex m_mutex;  // set-up deadlines, paused listeners, m_timer_armed; after m_registry's
-  std::vector<std::weak_ptr<Connection>> m_handshaking;
+  std::optional<detail::SetupDeadlines<Connection>> m_deadlines;  // set in start()
+  std::mutex m_mutex;                                             // paused listeners, m_timer_armed
+
   std::vector<std::shared_ptr<Listener>> m_paused;
   std::uint64_t m_next_listener_id{1};
   bool m_timer_armed{false};

@@ -1,0 +1,92 @@
+#pragma once
+
+// Connections that must be established before a deadline (NetworkConfig::limits.
+// connect_timeout). A periodic timer runs only while some connection is being set up;
+// on the loop thread it hands each one that is still pending past its deadline to
+// `on_expired`. track() may be called from any thread.
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <utility>
+#include <vector>
+
+#include <netio3/event_loop.hpp>
+
+namespace netio3::detail {
+
+template <typename Conn>
+class SetupDeadlines {
+ public:
+  using Clock = std::chrono::steady_clock;
+  // pending(conn): still being set up (evaluated on the loop thread).
+  using Pending = std::function<bool(const Conn&)>;
+  using Expired = std::function<void(const std::shared_ptr<Conn>&)>;
+
+  static constexpr std::chrono::milliseconds PERIOD{100};
+
+  SetupDeadlines(BaseEventLoop& loop, std::chrono::milliseconds timeout, Pending pending,
+                 Expired on_expired)
+      : m_state{std::make_shared<State>()} {
+    m_state->timeout = timeout;
+    m_state->pending = std::move(pending);
+    m_state->on_expired = std::move(on_expired);
+    m_state->timer = loop.create_timer([weak = std::weak_ptr<State>{m_state}] {
+      if (auto state = weak.lock()) state->check();
+    });
+  }
+
+  void track(const std::shared_ptr<Conn>& conn) {
+    const std::lock_guard lock{m_state->mutex};
+    m_state->entries.emplace_back(conn, Clock::now() + m_state->timeout);
+    if (!m_state->armed) {
+      m_state->armed = true;
+      m_state->timer.start(PERIOD);
+    }
+  }
+
+  // Stops watching (backend shutdown); nothing expires afterwards.
+  void close() {
+    const std::lock_guard lock{m_state->mutex};
+    m_state->entries.clear();
+    m_state->timer.close();
+  }
+
+  [[nodiscard]] std::chrono::milliseconds timeout() const noexcept { return m_state->timeout; }
+
+ private:
+  struct State {
+    void check() {
+      const auto now = Clock::now();
+      std::vector<std::shared_ptr<Conn>> expired;
+      {
+        const std::lock_guard lock{mutex};
+        std::erase_if(entries, [&](auto& entry) {
+          auto conn = entry.first.lock();
+          if (!conn || !pending(*conn)) return true;
+          if (now < entry.second) return false;
+          expired.push_back(std::move(conn));
+          return true;
+        });
+        if (entries.empty()) {
+          armed = false;
+          timer.stop();
+        }
+      }
+      for (const auto& conn : expired) on_expired(conn);
+    }
+
+    std::mutex mutex;
+    std::vector<std::pair<std::weak_ptr<Conn>, Clock::time_point>> entries;
+    bool armed{false};
+    std::chrono::milliseconds timeout{};
+    Pending pending;
+    Expired on_expired;
+    EventTimerHandle timer;
+  };
+
+  std::shared_ptr<State> m_state;
+};
+
+}  // namespace netio3::detail
