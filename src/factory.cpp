@@ -9,6 +9,9 @@
 #ifdef NETIO3_WITH_ASYNCMSG
 #include "backends/asyncmsg/asyncmsg_backend.hpp"
 #endif
+#ifdef NETIO3_WITH_LIBFABRIC
+#include "backends/libfabric/libfabric_backend.hpp"
+#endif
 
 namespace netio3 {
 
@@ -39,6 +42,10 @@ std::unique_ptr<NetworkBackend> Netio3Backend::create(BackendType type, NetworkC
 #ifdef NETIO3_WITH_ASYNCMSG
     case BackendType::ASYNCMSG:
       return asyncmsg::create_backend(std::move(config), std::move(event_loop));
+#endif
+#ifdef NETIO3_WITH_LIBFABRIC
+    case BackendType::LIBFABRIC:
+      return libfabric::create_backend(std::move(config), std::move(event_loop));
 #endif
     default:
       break;

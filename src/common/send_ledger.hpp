@@ -39,6 +39,15 @@ class SendLedger {
     return m_base + m_entries.size() - 1;
   }
 
+  // Undoes the latest add(), for a send the transport refused right away (it was never
+  // accepted, so it must not end in a completion or a cancelled-key list).
+  void retract(Ticket ticket) noexcept {
+    assert(!m_closed && !m_entries.empty() && ticket == m_base + m_entries.size() - 1);
+    (void)ticket;
+    m_entries.pop_back();
+    --m_outstanding;
+  }
+
   // Completes one ticket; false (and nothing changes) if it is unknown, already ended, or
   // the ledger was cancelled.
   bool complete(Ticket ticket, PendingSend& out) noexcept {

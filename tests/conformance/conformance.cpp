@@ -74,9 +74,10 @@ void Node::destroy_backend() {
 }
 
 ConnectionParameters sender_params(const BackendTraits& traits, SendMode mode,
-                                   std::span<std::uint8_t> region, std::size_t buf_size) {
+                                   std::span<std::uint8_t> region, std::size_t buf_size,
+                                   std::size_t recv_size) {
   ConnectionParameters params{};
-  params.recv_params = {.buf_size = buf_size, .num_buf = NUM_BUF};
+  params.recv_params = {.buf_size = recv_size, .num_buf = NUM_BUF};
   switch (mode) {
     case SendMode::BUFFERED:
       params.send_buffered_params = {.buf_size = buf_size, .num_buf = NUM_BUF};

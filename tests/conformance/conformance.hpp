@@ -80,11 +80,12 @@ class Node {
   std::unique_ptr<NetworkBackend> backend;
 };
 
-// Parameters for an endpoint that sends in `mode` (and can receive) with the given
-// zero-copy region.
+// Parameters for an endpoint that sends in `mode` with the given zero-copy region and
+// buffers of `buf_size`, and receives messages of up to `recv_size` bytes.
 [[nodiscard]] ConnectionParameters sender_params(const BackendTraits& traits, SendMode mode,
                                                  std::span<std::uint8_t> region,
-                                                 std::size_t buf_size = BUF_SIZE);
+                                                 std::size_t buf_size = BUF_SIZE,
+                                                 std::size_t recv_size = BUF_SIZE);
 // Parameters of a listen endpoint whose connections receive (and can send buffered).
 [[nodiscard]] ConnectionParameters receiver_params(std::size_t max_message);
 

@@ -64,7 +64,8 @@ class Data : public testing::TestWithParam<DataParam> {
     });
     ASSERT_NE(listen.port, 0);
     client->call([&] {
-      client->backend->open_active_endpoint(listen, sender_params(t, p.mode, region, BUF_SIZE));
+      client->backend->open_active_endpoint(
+          listen, sender_params(t, p.mode, region, BUF_SIZE, std::max(p.size, BUF_SIZE)));
     });
     auto remote = wait_connected(*client, *server, listen);
     ASSERT_TRUE(remote.has_value()) << "connection was not established on both sides";

@@ -26,6 +26,8 @@
 #include <span>
 #include <string>
 
+#include "common/byte_order.hpp"
+
 namespace netio3::asyncmsg {
 
 inline constexpr std::array<std::uint8_t, 4> MAGIC{'N', 'I', 'O', '3'};
@@ -44,20 +46,10 @@ struct Greeting {
   std::uint32_t flags{};
 };
 
-inline void store_le16(std::uint8_t* p, std::uint16_t v) noexcept {
-  p[0] = static_cast<std::uint8_t>(v);
-  p[1] = static_cast<std::uint8_t>(v >> 8U);
-}
-inline void store_le32(std::uint8_t* p, std::uint32_t v) noexcept {
-  for (unsigned i = 0; i < 4; ++i) p[i] = static_cast<std::uint8_t>(v >> (8U * i));
-}
-[[nodiscard]] inline std::uint16_t load_le16(const std::uint8_t* p) noexcept {
-  return static_cast<std::uint16_t>(p[0] | (p[1] << 8U));
-}
-[[nodiscard]] inline std::uint32_t load_le32(const std::uint8_t* p) noexcept {
-  return static_cast<std::uint32_t>(p[0]) | (static_cast<std::uint32_t>(p[1]) << 8U) |
-         (static_cast<std::uint32_t>(p[2]) << 16U) | (static_cast<std::uint32_t>(p[3]) << 24U);
-}
+using detail::load_le16;
+using detail::load_le32;
+using detail::store_le16;
+using detail::store_le32;
 
 [[nodiscard]] std::array<std::uint8_t, GREETING_SIZE> encode_greeting(const Greeting& greeting);
 

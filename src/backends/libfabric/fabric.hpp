@@ -1,0 +1,132 @@
+#pragma once
+
+// libfabric plumbing for the libfabric backend: RAII for fids and fi_info, the provider
+// choice, fi_getinfo for local and remote addresses, the connection-management data both
+// sides exchange, and Domain (fabric + domain + one event queue + one completion queue,
+// both with FI_WAIT_FD so the shared epoll loop can wait on them).
+
+#include <array>
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <rdma/fabric.h>
+#include <rdma/fi_cm.h>
+#include <rdma/fi_domain.h>
+#include <rdma/fi_endpoint.h>
+#include <rdma/fi_eq.h>
+#include <rdma/fi_errno.h>
+#include <span>
+#include <string>
+#include <unordered_map>
+
+#include <netio3/types.hpp>
+
+namespace netio3::libfabric {
+
+inline constexpr std::uint32_t API_VERSION = FI_VERSION(1, 9);
+
+struct FidCloser {
+  template <typename T>
+  void operator()(T* p) const noexcept {
+    if (p != nullptr) fi_close(&p->fid);
+  }
+};
+template <typename T>
+using Fid = std::unique_ptr<T, FidCloser>;
+
+struct InfoDeleter {
+  void operator()(fi_info* info) const noexcept { fi_freeinfo(info); }
+};
+using Info = std::unique_ptr<fi_info, InfoDeleter>;
+
+// "Connection refused (-111)" style text for a libfabric return code (negative errno).
+[[nodiscard]] std::string fi_error(long rc);
+
+// The provider a NetworkMode selects: RDMA -> verbs, TCP -> tcp. FI_PROVIDER in the
+// environment wins (then libfabric itself filters and the name here is only for messages).
+struct ProviderChoice {
+  std::string name;
+  bool from_environment{false};
+};
+[[nodiscard]] ProviderChoice choose_provider(NetworkMode mode);
+
+// fi_getinfo for FI_EP_MSG send/receive on `address`: as a local (listening) address with
+// FI_SOURCE, or as the remote address to connect to. Throws std::runtime_error whose message
+// names the provider and libfabric's reason.
+[[nodiscard]] Info get_info(const ProviderChoice& provider, ThreadSafetyModel model,
+                            const EndPointAddress& address, bool local);
+
+// The address in a sockaddr (IPv4 or IPv6) as an EndPointAddress.
+[[nodiscard]] std::optional<EndPointAddress> to_endpoint_address(const void* sockaddr,
+                                                                 std::size_t len);
+
+// Connection-management data, sent with fi_connect and fi_accept (16 bytes, little endian):
+//   0..3 magic "NIO3", 4..5 version 1, 6..7 flags 0, 8..15 receive buffer size (0: the
+//   endpoint cannot receive). A sender refuses messages larger than the peer's size.
+inline constexpr std::size_t CM_DATA_SIZE = 16;
+struct CmData {
+  std::uint64_t recv_buf_size{};
+};
+[[nodiscard]] std::array<std::uint8_t, CM_DATA_SIZE> encode_cm_data(const CmData& data);
+// nullopt (and `error` set) for data that is not a netio3 peer's.
+[[nodiscard]] std::optional<CmData> decode_cm_data(std::span<const std::uint8_t> bytes,
+                                                   std::string& error);
+
+// One fabric + domain with an event queue (connection management) and a completion queue
+// (all data transfers of every endpoint on it). Thread-safe as far as the provider's
+// threading level is (FI_THREAD_SAFE for ThreadSafetyModel::SAFE).
+class Domain {
+ public:
+  explicit Domain(const fi_info& info);
+  Domain(const Domain&) = delete;
+  Domain& operator=(const Domain&) = delete;
+  Domain(Domain&&) = delete;
+  Domain& operator=(Domain&&) = delete;
+  ~Domain();
+
+  // Same provider, fabric and domain: endpoints for `info` can be opened here.
+  [[nodiscard]] bool serves(const fi_info& info) const;
+
+  // Registers memory for local send/receive (honouring mr_mode: a unique requested key
+  // unless the provider chooses keys). Throws std::runtime_error.
+  [[nodiscard]] Fid<fid_mr> register_memory(std::span<std::uint8_t> region) const;
+  // A registration kept until the domain closes (shared pools); returns its descriptor.
+  [[nodiscard]] void* shared_registration(std::span<std::uint8_t> region);
+
+  [[nodiscard]] const fi_info& info() const noexcept { return *m_info; }
+  [[nodiscard]] fid_fabric* fabric() const noexcept { return m_fabric.get(); }
+  [[nodiscard]] fid_domain* domain() const noexcept { return m_domain.get(); }
+  [[nodiscard]] fid_eq* eq() const noexcept { return m_eq.get(); }
+  [[nodiscard]] fid_cq* cq() const noexcept { return m_cq.get(); }
+  [[nodiscard]] int eq_fd() const noexcept { return m_eq_fd; }
+  [[nodiscard]] int cq_fd() const noexcept { return m_cq_fd; }
+  [[nodiscard]] std::string_view provider() const noexcept {
+    return m_info->fabric_attr->prov_name;
+  }
+  [[nodiscard]] std::size_t iov_limit() const noexcept { return m_info->tx_attr->iov_limit; }
+  [[nodiscard]] std::size_t tx_depth() const noexcept { return m_info->tx_attr->size; }
+  [[nodiscard]] bool has_shared_rx() const noexcept {
+    return m_info->domain_attr->max_ep_srx_ctx > 0;
+  }
+
+  // Counts complete drains of the completion queue (read until empty); see the retirement
+  // of closed connections in the backend.
+  std::uint64_t drains{0};
+
+ private:
+  Info m_info;
+  Fid<fid_fabric> m_fabric;
+  Fid<fid_eq> m_eq;
+  Fid<fid_domain> m_domain;
+  Fid<fid_cq> m_cq;
+  int m_eq_fd{-1};
+  int m_cq_fd{-1};
+  mutable std::atomic<std::uint64_t> m_next_key{1};
+  std::mutex m_shared_mutex;
+  std::unordered_map<const void*, Fid<fid_mr>> m_shared_mrs;
+};
+
+}  // namespace netio3::libfabric
