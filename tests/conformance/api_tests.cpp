@@ -2,6 +2,9 @@
 // thread-safety model.
 
 #include <algorithm>
+#include <array>
+#include <condition_variable>
+#include <iostream>
 #include <mutex>
 #include <set>
 #include <string>
@@ -392,6 +395,258 @@ TEST_P(Api, TraceLoggingNamesEndpointKeyAndSize) {
   }
   set_log_level(previous);
   set_log_sink({});
+}
+
+TEST_P(Api, UnsupportedSendModesSayNotSupported) {
+  const auto& t = traits(GetParam().backend);
+  if (t.copy_supported)
+    GTEST_SKIP() << netio3::to_string(GetParam().backend) << " supports send_data_copy";
+  auto server = make_node();
+  auto node = make_node();
+  const auto connected = connect_to_new_listener(
+      *server, *node, {.send_buffered_params = {.buf_size = 64, .num_buf = 2}});
+  ASSERT_TRUE(connected.has_value());
+  const std::vector<std::uint8_t> data(8);
+  EXPECT_THROW(node->call([&] { return node->backend->send_data_copy(*connected, data, {}, 1); }),
+               NotSupported);
+  for (const auto& e : node->rec.snapshot()) {
+    if (e.kind == Kind::ESTABLISHED) {
+      EXPECT_FALSE(e.caps.send_copy);
+    }
+  }
+  // Zero-copy was not requested (no region): sending zero-copy is not possible either.
+  if (t.zero_copy_needs_region) {
+    std::vector<std::uint8_t> payload(8);
+    EXPECT_THROW(node->call([&] { return node->backend->send_data(*connected, payload, {}, 2); }),
+                 NotSupported);
+  }
+}
+
+TEST_P(Api, ZeroCopyFromOutsideTheRegisteredRegionFails) {
+  if (!traits(GetParam().backend).zero_copy_needs_region) {
+    GTEST_SKIP() << netio3::to_string(GetParam().backend) << " sends zero-copy from anywhere";
+  }
+  auto server = make_node();
+  auto node = make_node();
+  std::vector<std::uint8_t> region(1024);
+  std::vector<std::uint8_t> elsewhere(16);
+  const auto connected = connect_to_new_listener(
+      *server, *node,
+      {.send_zero_copy_params = {.buf_size = region.size(), .mr_start = region.data()}});
+  ASSERT_TRUE(connected.has_value());
+  const auto to = *connected;
+  EXPECT_EQ(node->call([&] { return node->backend->send_data(to, elsewhere, {}, 1); }),
+            NetioStatus::FAILED);
+  // Straddling the end of the region (an iovec: a span cannot reach past the vector).
+  const iovec straddling{region.data() + 1000, 30};
+  EXPECT_EQ(node->call([&] {
+    return node->backend->send_data(to, std::span<const iovec>{&straddling, 1}, {}, 2);
+  }),
+            NetioStatus::FAILED);
+  // Inside it, with a header from anywhere (headers are copied).
+  const std::vector<std::uint8_t> header{9, 8, 7};
+  std::fill(region.begin() + 100, region.begin() + 110, std::uint8_t{5});
+  EXPECT_EQ(node->call([&] {
+    return node->backend->send_data(to, std::span{region}.subspan(100, 10), header, 3);
+  }),
+            NetioStatus::OK);
+  ASSERT_TRUE(server->rec.wait([](const Recorder& r) { return r.count(Kind::DATA) == 1; }));
+  const auto message = server->rec.messages_snapshot().at(0);
+  ASSERT_EQ(message.size(), 13U);
+  EXPECT_EQ(message[0], 9);
+  EXPECT_EQ(message[3], 5);
+  ASSERT_TRUE(node->rec.wait([](const Recorder& r) { return r.count(Kind::COMPLETED) == 1; }));
+  EXPECT_EQ(node->rec.snapshot().back().key, 3U) << "refused sends leave no key behind";
+}
+
+TEST_P(Api, BufferedAndZeroCopyOnOneEndpointAreRejectedWhereExclusive) {
+  if (!traits(GetParam().backend).buffered_zero_copy_exclusive) {
+    GTEST_SKIP() << netio3::to_string(GetParam().backend) << " can do both on one endpoint";
+  }
+  auto node = make_node();
+  std::vector<std::uint8_t> region(64);
+  EXPECT_THROW(node->call([&] {
+    node->backend->open_active_endpoint(
+        {"127.0.0.1", test::unused_port()},
+        {.send_buffered_params = {.buf_size = 64, .num_buf = 2},
+         .send_zero_copy_params = {.buf_size = region.size(), .mr_start = region.data()}});
+  }),
+               InvalidConnectionParameters);
+}
+
+// The receiver's limit (max_message_size, and its receive buffers where the transport needs
+// them) is known to the sender: one byte more is FAILED there, and nothing breaks.
+TEST_P(Api, MessagesLargerThanThePeerAcceptsFailAtTheSender) {
+  constexpr std::size_t LIMIT = 4096;
+  auto server = make_node([](NetworkConfig& c) { c.limits.max_message_size = LIMIT; });
+  auto node = make_node();
+  const auto listen = server->call([&] {
+    return server->backend->open_listen_endpoint(
+        {"127.0.0.1", 0}, {.recv_params = {.buf_size = LIMIT, .num_buf = 8}});
+  });
+  node->call([&] {
+    node->backend->open_active_endpoint(
+        listen, {.send_buffered_params = {.buf_size = 2 * LIMIT, .num_buf = 4}});
+  });
+  ASSERT_TRUE(node->rec.wait([](const Recorder& r) { return r.count(Kind::ESTABLISHED) == 1; }));
+  for (const std::size_t size : {LIMIT + 1, LIMIT}) {
+    auto* buffer = node->call([&] { return node->backend->get_buffer(listen); });
+    ASSERT_NE(buffer, nullptr);
+    buffer->write(test::pattern(size, size));
+    const auto status = node->call([&] { return node->backend->send_buffer(listen, buffer); });
+    if (size > LIMIT) {
+      EXPECT_EQ(status, NetioStatus::FAILED) << size << " bytes";
+      buffer->clear();  // still ours: reuse it
+      buffer->write(test::pattern(size, LIMIT));
+      EXPECT_EQ(node->call([&] { return node->backend->send_buffer(listen, buffer); }),
+                NetioStatus::OK);
+    } else {
+      EXPECT_EQ(status, NetioStatus::OK);
+    }
+  }
+  ASSERT_TRUE(server->rec.wait([](const Recorder& r) { return r.count(Kind::DATA) == 2; }));
+  for (const auto& m : server->rec.messages_snapshot()) EXPECT_EQ(m.size(), LIMIT);
+  EXPECT_EQ(node->rec.count(Kind::CLOSED), 0U);
+  EXPECT_EQ(server->rec.count(Kind::CLOSED), 0U);
+}
+
+// Receive buffers shared by all connections (NetworkConfig) or by those of one listener
+// (recv_params.use_shared_receive_buffers): several connections stream at once, each in order.
+TEST_P(Api, SharedReceiveBuffersServeSeveralConnections) {
+  for (const bool per_listener : {false, true}) {
+    SCOPED_TRACE(per_listener ? "per listener" : "backend-wide");
+    auto server = make_node([&](NetworkConfig& c) {
+      if (!per_listener)
+        c.shared_receive_buffers = {
+            .use_shared_receive_buffers = true, .buf_size = 1024, .num_buf = 32};
+    });
+    const ConnectionParameters listen_params =
+        per_listener ? ConnectionParameters{.recv_params = {.buf_size = 1024,
+                                                            .num_buf = 32,
+                                                            .use_shared_receive_buffers = true}}
+                     : ConnectionParameters{};
+    const auto listen = server->call([&] {
+      return server->backend->open_listen_endpoint({"127.0.0.1", 0}, listen_params);
+    });
+    constexpr int CLIENTS = 3;
+    constexpr std::uint64_t MESSAGES = 100;
+    std::vector<std::unique_ptr<Node>> clients;
+    for (int c = 0; c < CLIENTS; ++c) {
+      clients.push_back(make_node());
+      clients.back()->call([&] {
+        clients.back()->backend->open_active_endpoint(
+            listen, {.send_buffered_params = {.buf_size = 1024, .num_buf = 8}});
+      });
+    }
+    for (auto& c : clients) {
+      ASSERT_TRUE(c->rec.wait([](const Recorder& r) { return r.count(Kind::ESTABLISHED) == 1; }));
+    }
+    for (std::uint64_t i = 0; i < MESSAGES; ++i) {
+      for (int c = 0; c < CLIENTS; ++c) {
+        // Message: client number, then a pattern of the per-client sequence number.
+        auto message = test::pattern(i * CLIENTS + static_cast<std::uint64_t>(c), 200);
+        message[0] = static_cast<std::uint8_t>(c);
+        ASSERT_EQ(send_one(*clients[static_cast<std::size_t>(c)], listen, SendMode::BUFFERED,
+                           message, {}, i),
+                  NetioStatus::OK);
+      }
+    }
+    ASSERT_TRUE(server->rec.wait(
+        [&](const Recorder& r) { return r.count(Kind::DATA) == CLIENTS * MESSAGES; }));
+    std::array<std::uint64_t, CLIENTS> next{};
+    for (const auto& m : server->rec.messages_snapshot()) {
+      ASSERT_EQ(m.size(), 200U);
+      const auto c = static_cast<std::size_t>(m[0]);
+      ASSERT_LT(c, static_cast<std::size_t>(CLIENTS));
+      auto expected = test::pattern(next[c] * CLIENTS + c, 200);
+      expected[0] = static_cast<std::uint8_t>(c);
+      ASSERT_EQ(m, expected) << "client " << c << " message " << next[c];
+      ++next[c];
+    }
+  }
+}
+
+// Event-driven, not polling: a ping-pong wakes each loop about once per message.
+TEST_P(Api, PingPongWakesEachLoopAboutOncePerMessage) {
+  auto server = make_node();
+  auto node = make_node();
+  const auto connected =
+      connect_to_new_listener(*server, *node,
+                              {.recv_params = {.buf_size = 256, .num_buf = 8},
+                               .send_buffered_params = {.buf_size = 256, .num_buf = 8}});
+  ASSERT_TRUE(connected.has_value());
+  const EndPointAddress listen = *connected;
+  ASSERT_TRUE(server->rec.wait([](const Recorder& r) { return r.count(Kind::ESTABLISHED) == 1; }));
+  EndPointAddress back;
+  for (const auto& e : server->rec.snapshot()) {
+    if (e.kind == Kind::ESTABLISHED) back = e.remote;
+  }
+  server->rec.keep_data(false);
+  node->rec.keep_data(false);
+  server->rec.set_hook([&](const Recorder::Event& e, std::span<const std::uint8_t> bytes) {
+    if (e.kind != Kind::DATA) return;
+    auto* buffer = server->backend->get_buffer(back);
+    ASSERT_NE(buffer, nullptr);
+    buffer->write(bytes);
+    ASSERT_EQ(server->backend->send_buffer(back, buffer), NetioStatus::OK);
+  });
+  constexpr std::size_t ROUNDS = 200;
+  const auto client_before = node->loop.loop()->wakeups();
+  const auto server_before = server->loop.loop()->wakeups();
+  for (std::size_t i = 0; i < ROUNDS; ++i) {
+    ASSERT_EQ(node->call([&] {
+      auto* buffer = node->backend->get_buffer(listen);
+      if (buffer == nullptr) return NetioStatus::NO_RESOURCES;
+      buffer->write(std::uint64_t{i});
+      return node->backend->send_buffer(listen, buffer);
+    }),
+              NetioStatus::OK);
+    ASSERT_TRUE(node->rec.wait([&](const Recorder& r) { return r.count(Kind::DATA) == i + 1; }));
+  }
+  const double client = static_cast<double>(node->loop.loop()->wakeups() - client_before) / ROUNDS;
+  const double server_rate =
+      static_cast<double>(server->loop.loop()->wakeups() - server_before) / ROUNDS;
+  RecordProperty("client_wakeups_per_round_trip", std::to_string(client));
+  RecordProperty("server_wakeups_per_round_trip", std::to_string(server_rate));
+  std::cout << fmt::format("[ wakeups  ] per round trip: client {:.2f}, server {:.2f}\n", client,
+                           server_rate);
+  // A loop wakes once per batch of completions (a message arriving while a batch is read
+  // is handled in the same batch, so fewer than one per message is possible); a busy loop
+  // would show thousands. The client's UNSAFE calls go through run_sync, which wakes its
+  // loop once more.
+  const double client_bound = GetParam().model == ThreadSafetyModel::UNSAFE ? 4.0 : 3.0;
+  EXPECT_GT(server_rate, 0.0);
+  EXPECT_LE(server_rate, 3.0);
+  EXPECT_GT(client, 0.0);
+  EXPECT_LE(client, client_bound);
+
+  // Connected but quiet: once every send has completed on both sides, neither loop wakes
+  // while 200 ms pass (timed by a one-shot timer on the client's loop, waited for with a
+  // deadline).
+  ASSERT_TRUE(node->rec.wait([](const Recorder& r) { return r.count(Kind::COMPLETED) == ROUNDS; }));
+  ASSERT_TRUE(
+      server->rec.wait([](const Recorder& r) { return r.count(Kind::COMPLETED) == ROUNDS; }));
+  std::mutex mutex;
+  std::condition_variable cv;
+  bool fired = false;
+  const auto idle_client = node->loop.loop()->wakeups();
+  const auto idle_server = server->loop.loop()->wakeups();
+  auto timer = node->loop.loop()->create_timer([&] {
+    const std::lock_guard lock{mutex};
+    fired = true;
+    cv.notify_all();
+  });
+  timer.start_once(std::chrono::milliseconds{200});
+  {
+    std::unique_lock lock{mutex};
+    ASSERT_TRUE(cv.wait_for(lock, test::DEFAULT_TIMEOUT, [&] { return fired; }));
+  }
+  // The timer wakes the client's loop once; a wake-up may be followed by a re-poll or two
+  // (fi_trywait can ask for one more look right after an event). A busy loop would show
+  // thousands in 200 ms.
+  EXPECT_LE(node->loop.loop()->wakeups() - idle_client, 4U);
+  EXPECT_LE(server->loop.loop()->wakeups() - idle_server, 4U);
+  node->loop.loop()->run_sync([&] { timer.close(); });
 }
 
 INSTANTIATE_TEST_SUITE_P(Conformance, Api, testing::ValuesIn(all_params()), param_name);

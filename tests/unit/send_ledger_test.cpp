@@ -130,5 +130,22 @@ TEST(SendLedger, CancelAllOnAnEmptyLedgerCloses) {
   EXPECT_FALSE(ledger.complete(0, out));
 }
 
+TEST(SendLedger, RetractUndoesTheLatestAddCompletely) {
+  SendLedger ledger;
+  const auto a = ledger.add(PendingSend{1, nullptr});
+  const auto b = ledger.add(PendingSend{2, nullptr});
+  ledger.retract(b);  // the transport refused the send at once
+  EXPECT_EQ(ledger.outstanding(), 1U);
+  PendingSend out{};
+  EXPECT_FALSE(ledger.complete(b, out)) << "a retracted ticket never completes";
+  const auto c = ledger.add(PendingSend{3, nullptr});
+  EXPECT_TRUE(ledger.complete(a, out));
+  EXPECT_EQ(out.key, 1U);
+  const auto cancelled = ledger.cancel_all();
+  ASSERT_EQ(cancelled.size(), 1U) << "key 2 was never accepted, so it is not cancelled either";
+  EXPECT_EQ(cancelled[0].key, 3U);
+  (void)c;
+}
+
 }  // namespace
 }  // namespace netio3::detail

@@ -1,6 +1,8 @@
 #include "backends/libfabric/fabric.hpp"
 
+#include <algorithm>
 #include <arpa/inet.h>
+#include <cctype>
 #include <cstdlib>
 #include <cstring>
 #include <netinet/in.h>
@@ -58,7 +60,13 @@ Info get_info(const ProviderChoice& provider, ThreadSafetyModel model,
   hints->domain_attr->control_progress = FI_PROGRESS_MANUAL;
   hints->addr_format =
       address.address.find(':') == std::string::npos ? FI_SOCKADDR_IN : FI_SOCKADDR_IN6;
-  if (!provider.from_environment) hints->fabric_attr->prov_name = ::strdup(provider.name.c_str());
+  // The name goes into the hints also when it came from FI_PROVIDER: libfabric reads that
+  // variable once per process, so a change after its first call would be ignored. A list
+  // or an exclusion ("tcp,verbs", "^sockets") is left to libfabric's own filter.
+  const bool plain_name = std::all_of(provider.name.begin(), provider.name.end(), [](char c) {
+    return std::isalnum(static_cast<unsigned char>(c)) != 0 || c == '_' || c == ';';
+  });
+  if (plain_name) hints->fabric_attr->prov_name = ::strdup(provider.name.c_str());
   const std::string service = std::to_string(address.port);
   fi_info* info = nullptr;
   const int rc = fi_getinfo(API_VERSION, address.address.c_str(), service.c_str(),

@@ -115,6 +115,8 @@ class Domain {
   // Counts complete drains of the completion queue (read until empty); see the retirement
   // of closed connections in the backend.
   std::uint64_t drains{0};
+  // Wake-ups of the loop by this domain's wait fds with nothing behind them, in a row.
+  std::uint64_t spurious_wakeups{0};
 
  private:
   Info m_info;

@@ -22,13 +22,12 @@
 
 #include "backends/libfabric/libfabric_backend.hpp"
 
-#include <sys/epoll.h>
-
 #include <algorithm>
 #include <array>
 #include <cassert>
 #include <optional>
 #include <stdexcept>
+#include <sys/epoll.h>
 #include <tuple>
 #include <unordered_map>
 #include <vector>
@@ -58,6 +57,10 @@ constexpr std::uint64_t RETIRE_AFTER_DRAINS = 2;
 // Send operations in flight per connection at most (also bounded by the provider's depth).
 constexpr std::size_t MAX_SEND_DEPTH = 1024;
 constexpr std::size_t MAX_IOV = 16;
+// A wait fd that wakes the loop this many times in a row without any event behind it is
+// reported: the provider does not support sleeping on its wait objects (seen with the
+// 'net' provider of libfabric 1.17), and the loop is busy.
+constexpr std::uint64_t SPURIOUS_WAKEUPS_WARN = 1000;
 // What the trace log names as the source of a message from a shared receive context.
 const EndPointAddress SHARED_SOURCE{"shared-receive-context", 0};
 
@@ -222,10 +225,12 @@ class Backend : public std::enable_shared_from_this<Backend> {
     m_thread.check_caller("open_listen_endpoint");
     detail::check_address(address, "open_listen_endpoint");
     check_parameters(params, true);
-    Info info = fabric_info(address, true, [](const std::string& why) {
-      return FailedOpenListenEndpoint(fmt::format("libfabric: cannot listen: {}", why));
-    });
-    Domain& domain = domain_for(*info);
+    const auto fail = [&](const std::string& why) {
+      return FailedOpenListenEndpoint(
+          fmt::format("libfabric: cannot listen on {}: {}", address, why));
+    };
+    Info info = fabric_info(address, true, fail);
+    Domain& domain = open_domain(*info, fail);
     const auto held = m_registry.lock();
     if (address.port != 0) m_registry.check_listen_free(held, address);
     auto listener = std::make_shared<Listener>(next_id(), address, params, &domain);
@@ -261,11 +266,12 @@ class Backend : public std::enable_shared_from_this<Backend> {
     m_thread.check_caller("open_active_endpoint");
     detail::check_address(address, "open_active_endpoint");
     check_parameters(params, false);
-    Info info = fabric_info(address, false, [&](const std::string& why) {
+    const auto fail = [&](const std::string& why) {
       return FailedOpenActiveEndpoint(
           fmt::format("libfabric: cannot connect to {}: {}", address, why));
-    });
-    Domain& domain = domain_for(*info);
+    };
+    Info info = fabric_info(address, false, fail);
+    Domain& domain = open_domain(*info, fail);
     const auto held = m_registry.lock();
     m_registry.check_connection_free(held, address);
     std::shared_ptr<Connection> conn;
@@ -411,6 +417,15 @@ class Backend : public std::enable_shared_from_this<Backend> {
     }
   }
 
+  template <typename MakeError>
+  Domain& open_domain(const fi_info& info, MakeError&& make_error) {
+    try {
+      return domain_for(info);
+    } catch (const std::runtime_error& e) {
+      throw make_error(fmt::format("provider '{}': {}", info.fabric_attr->prov_name, e.what()));
+    }
+  }
+
   std::uint64_t next_id() { return m_next_id.fetch_add(1); }
 
   // ---- domains ---------------------------------------------------------------------
@@ -430,10 +445,10 @@ class Backend : public std::enable_shared_from_this<Backend> {
     std::weak_ptr<Backend> weak = weak_from_this();
     DomainFds fds;
     fds.eq = m_loop->add_fd(d->eq_fd(), EPOLLIN, [weak, d](std::uint32_t) {
-      if (auto self = weak.lock()) self->drain_eq(*d);
+      if (auto self = weak.lock()) self->on_wait_fd(*d, self->drain_eq(*d));
     });
     fds.cq = m_loop->add_fd(d->cq_fd(), EPOLLIN, [weak, d](std::uint32_t) {
-      if (auto self = weak.lock()) self->drain_cq(*d);
+      if (auto self = weak.lock()) self->on_wait_fd(*d, self->drain_cq(*d));
     });
     m_domain_fds.push_back(std::move(fds));
     m_domains.push_back(std::move(domain));
@@ -734,23 +749,41 @@ class Backend : public std::enable_shared_from_this<Backend> {
     return sleep;
   }
 
-  void drain_eq(Domain& domain) {
+  // A wait fd woke the loop and `handled` events were behind it.
+  void on_wait_fd(Domain& domain, std::size_t handled) {
+    if (handled > 0) {
+      domain.spurious_wakeups = 0;
+      return;
+    }
+    if (++domain.spurious_wakeups == SPURIOUS_WAKEUPS_WARN) {
+      NETIO3_WARN(
+          "libfabric: provider '{}' woke the event loop {} times in a row with nothing to "
+          "report: its wait objects cannot be slept on and the loop is busy. Use the tcp "
+          "or verbs provider (FI_PROVIDER)",
+          domain.provider(), SPURIOUS_WAKEUPS_WARN);
+    }
+  }
+
+  // Both drains return how many events or completions they handled.
+  std::size_t drain_eq(Domain& domain) {
     assert_loop_thread();
+    std::size_t handled = 0;
     constexpr std::size_t ENTRY = sizeof(fi_eq_cm_entry) + 256;  // room for connection data
     alignas(fi_eq_cm_entry) std::array<std::uint8_t, ENTRY> buffer{};
     for (int i = 0; i < DRAIN_ROUNDS * 4 && !m_shut_down; ++i) {
       std::uint32_t event = 0;
       const ssize_t rc = fi_eq_read(domain.eq(), &event, buffer.data(), buffer.size(), 0);
-      if (rc == -FI_EAGAIN) return;
+      if (rc == -FI_EAGAIN) return handled;
+      ++handled;
       if (rc == -FI_EAVAIL) {
         fi_eq_err_entry err{};
-        if (fi_eq_readerr(domain.eq(), &err, 0) < 0) return;
+        if (fi_eq_readerr(domain.eq(), &err, 0) < 0) return handled;
         on_eq_error(domain, err);
         continue;
       }
       if (rc < 0) {
         NETIO3_ERROR("libfabric: fi_eq_read failed: {}", fi_error(rc));
-        return;
+        return handled;
       }
       const auto* entry = reinterpret_cast<const fi_eq_cm_entry*>(buffer.data());  // NOLINT
       const std::size_t data_len = static_cast<std::size_t>(rc) > sizeof(fi_eq_cm_entry)
@@ -758,34 +791,39 @@ class Backend : public std::enable_shared_from_this<Backend> {
                                        : 0;
       on_cm_event(domain, event, *entry, {entry->data, data_len});
     }
+    return handled;
   }
 
-  void drain_cq(Domain& domain) {
+  std::size_t drain_cq(Domain& domain) {
     assert_loop_thread();
     std::array<fi_cq_data_entry, CQ_BATCH> entries{};
+    std::size_t handled = 0;
     for (int round = 0; round < DRAIN_ROUNDS; ++round) {
-      if (m_shut_down) return;
+      if (m_shut_down) return handled;
       const ssize_t n = fi_cq_read(domain.cq(), entries.data(), entries.size());
       if (n == -FI_EAGAIN) {
         ++domain.drains;
         release_retired(domain);
-        return;
+        return handled;
       }
       if (n == -FI_EAVAIL) {
+        ++handled;
         fi_cq_err_entry err{};
-        if (fi_cq_readerr(domain.cq(), &err, 0) < 0) return;
+        if (fi_cq_readerr(domain.cq(), &err, 0) < 0) return handled;
         on_completion_error(domain, err);
         continue;
       }
       if (n < 0) {
         NETIO3_ERROR("libfabric: fi_cq_read failed: {}", fi_error(n));
-        return;
+        return handled;
       }
+      handled += static_cast<std::size_t>(n);
       for (ssize_t i = 0; i < n; ++i) {
         on_completion(entries.at(static_cast<std::size_t>(i)));
-        if (m_shut_down) return;
+        if (m_shut_down) return handled;
       }
     }
+    return handled;
   }
 
   void on_completion(const fi_cq_data_entry& entry) {
