@@ -46,7 +46,8 @@ class Api : public testing::TestWithParam<ApiParam> {
   static std::optional<EndPointAddress> connect_to_new_listener(
       Node& server, Node& client, const ConnectionParameters& params) {
     const auto listen = server.call([&] {
-      return server.backend->open_listen_endpoint({"127.0.0.1", 0}, receiver_params(BUF_SIZE));
+      return server.backend->open_listen_endpoint({test::test_address(), 0},
+                                                  receiver_params(BUF_SIZE));
     });
     client.call([&] { client.backend->open_active_endpoint(listen, params); });
     if (!client.rec.wait(
@@ -73,10 +74,10 @@ TEST_P(Api, ListenEndpointErrors) {
   }),
                InvalidEndpointAddress);
   const auto listen = node->call([&] {
-    return b.open_listen_endpoint({"127.0.0.1", 0}, receiver_params(BUF_SIZE));
+    return b.open_listen_endpoint({test::test_address(), 0}, receiver_params(BUF_SIZE));
   });
   EXPECT_NE(listen.port, 0) << "port 0 must come back as the port the OS chose";
-  EXPECT_EQ(listen.address, "127.0.0.1");
+  EXPECT_EQ(listen.address, test::test_address());
   EXPECT_THROW(
       node->call([&] { return b.open_listen_endpoint(listen, receiver_params(BUF_SIZE)); }),
       ListenEndpointAlreadyExists);
@@ -106,7 +107,8 @@ TEST_P(Api, ActiveEndpointErrors) {
   auto node = make_node();
   auto& b = *node->backend;
   const auto listen = server->call([&] {
-    return server->backend->open_listen_endpoint({"127.0.0.1", 0}, receiver_params(BUF_SIZE));
+    return server->backend->open_listen_endpoint({test::test_address(), 0},
+                                                 receiver_params(BUF_SIZE));
   });
   const ConnectionParameters buffered{
       .send_buffered_params = {.buf_size = BUF_SIZE, .num_buf = NUM_BUF}};
@@ -163,7 +165,8 @@ TEST_P(Api, GetBufferWithoutBuffersThrowsNoBuffersAllocated) {
   auto server = make_node();
   auto node = make_node();
   const auto listen = server->call([&] {
-    return server->backend->open_listen_endpoint({"127.0.0.1", 0}, receiver_params(BUF_SIZE));
+    return server->backend->open_listen_endpoint({test::test_address(), 0},
+                                                 receiver_params(BUF_SIZE));
   });
   std::vector<std::uint8_t> region(4096);
   node->call([&] {
@@ -259,10 +262,12 @@ TEST_P(Api, SharedSendBuffersAreOnePoolForAllConnections) {
     c.shared_send_buffers = {.use_shared_send_buffers = true, .buf_size = 512, .num_buf = 3};
   });
   const auto a = server->call([&] {
-    return server->backend->open_listen_endpoint({"127.0.0.1", 0}, receiver_params(BUF_SIZE));
+    return server->backend->open_listen_endpoint({test::test_address(), 0},
+                                                 receiver_params(BUF_SIZE));
   });
   const auto b = server->call([&] {
-    return server->backend->open_listen_endpoint({"127.0.0.1", 0}, receiver_params(BUF_SIZE));
+    return server->backend->open_listen_endpoint({test::test_address(), 0},
+                                                 receiver_params(BUF_SIZE));
   });
   const ConnectionParameters params{.send_buffered_params = {.buf_size = 512, .num_buf = 1}};
   node->call([&] { node->backend->open_active_endpoint(a, params); });
@@ -288,7 +293,7 @@ TEST_P(Api, SharedSendBuffersAreOnePoolForAllConnections) {
 TEST_P(Api, OneBackendCanConnectToItself) {
   auto node = make_node();
   const auto listen = node->call([&] {
-    return node->backend->open_listen_endpoint({"127.0.0.1", 0},
+    return node->backend->open_listen_endpoint({test::test_address(), 0},
                                                {.recv_params = {.buf_size = 4096, .num_buf = 16}});
   });
   node->call([&] {
@@ -318,7 +323,8 @@ TEST_P(Api, UnsafeModelRejectsCallsFromForeignThreadsWhileTheLoopRuns) {
     GTEST_SKIP() << netio3::to_string(GetParam().backend) << " is always thread-safe (documented)";
   }
   auto node = make_node();
-  EXPECT_THROW((void)node->backend->open_listen_endpoint({"127.0.0.1", 0}, {}), std::logic_error);
+  EXPECT_THROW((void)node->backend->open_listen_endpoint({test::test_address(), 0}, {}),
+               std::logic_error);
 }
 
 // The documented way to drive an UNSAFE backend: a signal fired from another thread runs
@@ -467,7 +473,7 @@ TEST_P(Api, BufferedAndZeroCopyOnOneEndpointAreRejectedWhereExclusive) {
   std::vector<std::uint8_t> region(64);
   EXPECT_THROW(node->call([&] {
     node->backend->open_active_endpoint(
-        {"127.0.0.1", test::unused_port()},
+        {test::test_address(), test::unused_port()},
         {.send_buffered_params = {.buf_size = 64, .num_buf = 2},
          .send_zero_copy_params = {.buf_size = region.size(), .mr_start = region.data()}});
   }),
@@ -482,7 +488,7 @@ TEST_P(Api, MessagesLargerThanThePeerAcceptsFailAtTheSender) {
   auto node = make_node();
   const auto listen = server->call([&] {
     return server->backend->open_listen_endpoint(
-        {"127.0.0.1", 0}, {.recv_params = {.buf_size = LIMIT, .num_buf = 8}});
+        {test::test_address(), 0}, {.recv_params = {.buf_size = LIMIT, .num_buf = 8}});
   });
   node->call([&] {
     node->backend->open_active_endpoint(
@@ -526,7 +532,7 @@ TEST_P(Api, SharedReceiveBuffersServeSeveralConnections) {
                                                             .use_shared_receive_buffers = true}}
                      : ConnectionParameters{};
     const auto listen = server->call([&] {
-      return server->backend->open_listen_endpoint({"127.0.0.1", 0}, listen_params);
+      return server->backend->open_listen_endpoint({test::test_address(), 0}, listen_params);
     });
     constexpr int CLIENTS = 3;
     constexpr std::uint64_t MESSAGES = 100;

@@ -59,7 +59,7 @@ class Data : public testing::TestWithParam<DataParam> {
     count = p.size >= LARGE ? 24 : 400;
     region.resize(std::max<std::size_t>(count * p.size, 64));
     listen = server->call([&] {
-      return server->backend->open_listen_endpoint({"127.0.0.1", 0},
+      return server->backend->open_listen_endpoint({test::test_address(), 0},
                                                    receiver_params(std::max(p.size, BUF_SIZE)));
     });
     ASSERT_NE(listen.port, 0);

@@ -79,7 +79,8 @@ class Lifecycle : public testing::TestWithParam<LifecycleParam> {
 
   EndPointAddress listen_on(Node& node, std::size_t max_message = BUF_SIZE) {
     return node.call([&] {
-      return node.backend->open_listen_endpoint({"127.0.0.1", 0}, receiver_params(max_message));
+      return node.backend->open_listen_endpoint({test::test_address(), 0},
+                                                receiver_params(max_message));
     });
   }
 
@@ -95,7 +96,7 @@ class Lifecycle : public testing::TestWithParam<LifecycleParam> {
 
 TEST_P(Lifecycle, ConnectingToAPortWithoutListenerIsRefusedOnce) {
   auto client = make_node();
-  const EndPointAddress nowhere{"127.0.0.1", test::unused_port()};
+  const EndPointAddress nowhere{test::test_address(), test::unused_port()};
   connect(*client, nowhere);
   ASSERT_TRUE(
       client->rec.wait([&](const Recorder& r) { return r.count(Kind::REFUSED, nowhere) == 1; }));

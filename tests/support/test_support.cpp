@@ -2,6 +2,7 @@
 
 #include <arpa/inet.h>
 #include <cerrno>
+#include <cstdlib>
 #include <dirent.h>
 #include <fstream>
 #include <future>
@@ -13,6 +14,14 @@
 #include <unistd.h>
 
 namespace netio3::test {
+
+const std::string& test_address() {
+  static const std::string address = [] {
+    const char* env = std::getenv("NETIO3_TEST_ADDRESS");
+    return std::string{env != nullptr && *env != '\0' ? env : "127.0.0.1"};
+  }();
+  return address;
+}
 
 std::size_t open_fd_count() {
   std::size_t n = 0;

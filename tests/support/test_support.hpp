@@ -23,6 +23,10 @@ using namespace std::chrono_literals;
 // waits this long; only a broken one does.
 inline constexpr std::chrono::milliseconds DEFAULT_TIMEOUT = 30s;
 
+// The local IP address tests listen on and connect to: NETIO3_TEST_ADDRESS, default
+// 127.0.0.1 (on a verbs host, the address of an RDMA-capable interface).
+[[nodiscard]] const std::string& test_address();
+
 // Number of open file descriptors of this process (/proc/self/fd).
 [[nodiscard]] std::size_t open_fd_count();
 // Resident set size of this process in bytes (/proc/self/statm).
