@@ -2,17 +2,22 @@
 
 // Connections that must be established before a deadline (NetworkConfig::limits.
 // connect_timeout). A periodic timer runs only while some connection is being set up;
-// on the loop thread it hands each one that is still pending past its deadline to
-// `on_expired`. track() may be called from any thread.
+// on the loop thread it logs each one that is still pending past its deadline and hands it
+// to `on_expired` with the reason. track() may be called from any thread.
 
 #include <chrono>
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
+#include <fmt/format.h>
 #include <netio3/event_loop.hpp>
+
+#include "common/log.hpp"
 
 namespace netio3::detail {
 
@@ -22,13 +27,15 @@ class SetupDeadlines {
   using Clock = std::chrono::steady_clock;
   // pending(conn): still being set up (evaluated on the loop thread).
   using Pending = std::function<bool(const Conn&)>;
-  using Expired = std::function<void(const std::shared_ptr<Conn>&)>;
+  using Expired = std::function<void(const std::shared_ptr<Conn>&, const std::string& reason)>;
 
   static constexpr std::chrono::milliseconds PERIOD{100};
 
-  SetupDeadlines(BaseEventLoop& loop, std::chrono::milliseconds timeout, Pending pending,
-                 Expired on_expired)
+  // `backend` names the backend in the log.
+  SetupDeadlines(BaseEventLoop& loop, std::string_view backend, std::chrono::milliseconds timeout,
+                 Pending pending, Expired on_expired)
       : m_state{std::make_shared<State>()} {
+    m_state->backend = backend;
     m_state->timeout = timeout;
     m_state->pending = std::move(pending);
     m_state->on_expired = std::move(on_expired);
@@ -74,12 +81,18 @@ class SetupDeadlines {
           timer.stop();
         }
       }
-      for (const auto& conn : expired) on_expired(conn);
+      if (expired.empty()) return;
+      const auto reason = fmt::format("connection set-up timed out after {} ms", timeout.count());
+      for (const auto& conn : expired) {
+        NETIO3_WARN("{}: connection with {}: {}", backend, conn->remote, reason);
+        on_expired(conn, reason);
+      }
     }
 
     std::mutex mutex;
     std::vector<std::pair<std::weak_ptr<Conn>, Clock::time_point>> entries;
     bool armed{false};
+    std::string_view backend;
     std::chrono::milliseconds timeout{};
     Pending pending;
     Expired on_expired;

@@ -186,12 +186,12 @@ class Backend : public std::enable_shared_from_this<Backend> {
       if (auto self = weak.lock()) self->housekeeping();
     });
     m_deadlines.emplace(
-        *m_loop, m_config.limits.connect_timeout,
+        *m_loop, NAME, m_config.limits.connect_timeout,
         [](const Connection& conn) {
           return conn.state == State::CONNECTING || conn.state == State::GREETING;
         },
-        [weak](const std::shared_ptr<Connection>& conn) {
-          if (auto self = weak.lock()) self->setup_timed_out(conn);
+        [weak](const std::shared_ptr<Connection>& conn, const std::string& reason) {
+          if (auto self = weak.lock()) self->close_connection(conn, reason, CloseKind::ERROR);
         });
   }
 
@@ -842,15 +842,6 @@ class Backend : public std::enable_shared_from_this<Backend> {
     boost::system::error_code ec;
     it->socket.close(ec);
     m_lingering.erase(it);
-  }
-
-  void setup_timed_out(const std::shared_ptr<Connection>& conn) {
-    assert_loop_thread();
-    if (m_shut_down) return;
-    const auto reason = fmt::format("connection set-up timed out after {} ms",
-                                    m_config.limits.connect_timeout.count());
-    NETIO3_WARN("asyncmsg: connection with {}: {}", conn->remote, reason);
-    close_connection(conn, reason, CloseKind::ERROR);
   }
 
   // Lingering sockets and paused listeners.

@@ -182,12 +182,12 @@ class Backend : public std::enable_shared_from_this<Backend> {
       if (auto self = weak.lock()) self->on_kick();
     });
     m_deadlines.emplace(
-        *m_loop, m_config.limits.connect_timeout,
+        *m_loop, NAME, m_config.limits.connect_timeout,
         [](const Connection& conn) {
           return conn.state == State::CONNECTING || conn.state == State::ACCEPTING;
         },
-        [weak](const std::shared_ptr<Connection>& conn) {
-          if (auto self = weak.lock()) self->setup_timed_out(conn);
+        [weak](const std::shared_ptr<Connection>& conn, const std::string& reason) {
+          if (auto self = weak.lock()) self->close_connection(conn, reason, CloseKind::ERROR);
         });
   }
 
@@ -309,8 +309,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
     forget(listener->id);
     NETIO3_DEBUG("libfabric: stopped listening on {} ({} connection(s) to close)", address,
                  children.size());
-    for (const auto& child : children)
-      post_close(child, "listen endpoint closed", CloseKind::LOCAL);
+    for (const auto& child : children) close_requested(child, "listen endpoint closed");
   }
 
   void close_active_endpoint(const EndPointAddress& address) {
@@ -320,7 +319,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
       const auto held = m_registry.lock();
       conn = m_registry.take_for_close(held, address);
     }
-    post_close(conn, "closed locally", CloseKind::LOCAL);
+    close_requested(conn, "closed locally");
   }
 
   NetworkBuffer* get_buffer(const EndPointAddress& address) {
@@ -1032,17 +1031,23 @@ class Backend : public std::enable_shared_from_this<Backend> {
     m_notifier.established(conn->remote, capabilities(*conn));
   }
 
-  void setup_timed_out(const std::shared_ptr<Connection>& conn) {
-    assert_loop_thread();
-    if (m_shut_down) return;
-    const auto reason = fmt::format("connection set-up timed out after {} ms",
-                                    m_config.limits.connect_timeout.count());
-    NETIO3_WARN("libfabric: connection with {}: {}", conn->remote, reason);
-    close_connection(conn, reason, CloseKind::ERROR);
+  // The application closed `conn`. On the loop thread the close takes effect at once (what
+  // has not completed by now is cancelled) and only the callback is posted; from another
+  // thread the whole close is posted to the loop.
+  void close_requested(const std::shared_ptr<Connection>& conn, std::string_view reason) {
+    if (m_loop->in_loop_thread()) {
+      close_connection(conn, reason, CloseKind::LOCAL, Report::LATER);
+    } else {
+      post_close(conn, std::string{reason}, CloseKind::LOCAL);
+    }
   }
 
+  // NOW: report with the callback at once (the loop noticed the end itself). LATER: from a
+  // posted task, because the application's own call caused it.
+  enum class Report { NOW, LATER };
+
   void close_connection(const std::shared_ptr<Connection>& conn, std::string_view reason,
-                        CloseKind kind) {
+                        CloseKind kind, Report report = Report::NOW) {
     assert_loop_thread();
     if (m_shut_down) {
       abandon(*conn);
@@ -1067,6 +1072,17 @@ class Backend : public std::enable_shared_from_this<Backend> {
       conn->ep.reset();  // queues cancellations for what was still posted
     }
     m_retired.push_back(Retired{conn->domain, conn->domain->drains, conn});
+    if (report == Report::LATER) {
+      std::weak_ptr<Backend> weak = weak_from_this();
+      m_loop->post([weak, conn, was_open = previous == State::OPEN, keys = std::move(keys),
+                    reason = std::string{reason}, local = kind == CloseKind::LOCAL] {
+        auto self = weak.lock();
+        if (!self || self->m_shut_down) return;
+        self->m_notifier.connection_ended(conn->remote, was_open, conn->active(), local, keys,
+                                          reason);
+      });
+      return;
+    }
     m_notifier.connection_ended(conn->remote, previous == State::OPEN, conn->active(),
                                 kind == CloseKind::LOCAL, keys, reason);
   }
