@@ -443,11 +443,19 @@ class Backend : public std::enable_shared_from_this<Backend> {
     Domain* d = domain.get();
     std::weak_ptr<Backend> weak = weak_from_this();
     DomainFds fds;
+    // A callback inside a drain may destroy the backend and with it the domain: look at
+    // m_shut_down before touching the domain again.
     fds.eq = m_loop->add_fd(d->eq_fd(), EPOLLIN, [weak, d](std::uint32_t) {
-      if (auto self = weak.lock()) self->on_wait_fd(*d, self->drain_eq(*d));
+      auto self = weak.lock();
+      if (!self) return;
+      const std::size_t handled = self->drain_eq(*d);
+      if (!self->m_shut_down) self->on_wait_fd(*d, handled);
     });
     fds.cq = m_loop->add_fd(d->cq_fd(), EPOLLIN, [weak, d](std::uint32_t) {
-      if (auto self = weak.lock()) self->on_wait_fd(*d, self->drain_cq(*d));
+      auto self = weak.lock();
+      if (!self) return;
+      const std::size_t handled = self->drain_cq(*d);
+      if (!self->m_shut_down) self->on_wait_fd(*d, handled);
     });
     m_domain_fds.push_back(std::move(fds));
     m_domains.push_back(std::move(domain));
