@@ -12,6 +12,9 @@
 #ifdef NETIO3_WITH_LIBFABRIC
 #include "backends/libfabric/libfabric_backend.hpp"
 #endif
+#ifdef NETIO3_WITH_UCX
+#include "backends/ucx/ucx_backend.hpp"
+#endif
 
 namespace netio3 {
 
@@ -46,6 +49,10 @@ std::unique_ptr<NetworkBackend> Netio3Backend::create(BackendType type, NetworkC
 #ifdef NETIO3_WITH_LIBFABRIC
     case BackendType::LIBFABRIC:
       return libfabric::create_backend(std::move(config), std::move(event_loop));
+#endif
+#ifdef NETIO3_WITH_UCX
+    case BackendType::UCX:
+      return ucx::create_backend(std::move(config), std::move(event_loop));
 #endif
     default:
       break;

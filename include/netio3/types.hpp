@@ -121,6 +121,10 @@ struct NetworkLimits {
   // Connection set-up (TCP connect plus protocol greeting) must finish within this time,
   // otherwise the active side gets on_connection_refused_cb and the passive side drops it.
   std::chrono::milliseconds connect_timeout{std::chrono::seconds{10}};
+  // A close waits at most this long for sends the transport still holds to go out (UCX
+  // flushes its endpoint); what has not completed by then is reported as cancelled.
+  // asyncmsg and libfabric close at once and do not use it.
+  std::chrono::milliseconds close_timeout{std::chrono::seconds{2}};
 };
 
 struct NetworkConfig {

@@ -134,8 +134,8 @@ TEST_P(Data, StreamArrivesIntactInOrderAndEverySendCompletesOnce) {
     }
   }
   // No further completion after the close, nothing more received.
-  EXPECT_EQ(client->rec.count(Kind::COMPLETED), count);
-  EXPECT_EQ(server->rec.count(Kind::DATA), count);
+  EXPECT_EQ(client->rec.count_now(Kind::COMPLETED), count);
+  EXPECT_EQ(server->rec.count_now(Kind::DATA), count);
 }
 
 // Ping-pong: the server echoes each message from inside on_data_cb (buffered send on the

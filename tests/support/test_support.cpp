@@ -161,6 +161,11 @@ std::size_t Recorder::count(Kind kind, const EndPointAddress& remote) const {
   return n;
 }
 
+std::size_t Recorder::count_now(Kind kind) const {
+  const std::lock_guard lock{m_mutex};
+  return count(kind);
+}
+
 std::vector<Recorder::Event> Recorder::snapshot() const {
   const std::lock_guard lock{m_mutex};
   return m_events;

@@ -1,11 +1,9 @@
 #include "backends/libfabric/fabric.hpp"
 
 #include <algorithm>
-#include <arpa/inet.h>
 #include <cctype>
 #include <cstdlib>
 #include <cstring>
-#include <netinet/in.h>
 #include <stdexcept>
 
 #include <fmt/format.h>
@@ -78,23 +76,6 @@ Info get_info(const ProviderChoice& provider, ThreadSafetyModel model,
                                          address, local ? "local" : "remote", fi_error(rc)));
   }
   return Info{info};
-}
-
-std::optional<EndPointAddress> to_endpoint_address(const void* sockaddr, std::size_t len) {
-  if (sockaddr == nullptr) return std::nullopt;
-  std::array<char, INET6_ADDRSTRLEN> text{};
-  const auto* generic = static_cast<const struct sockaddr*>(sockaddr);
-  if (generic->sa_family == AF_INET && len >= sizeof(sockaddr_in)) {
-    const auto* in = static_cast<const sockaddr_in*>(sockaddr);
-    ::inet_ntop(AF_INET, &in->sin_addr, text.data(), text.size());
-    return EndPointAddress{text.data(), ntohs(in->sin_port)};
-  }
-  if (generic->sa_family == AF_INET6 && len >= sizeof(sockaddr_in6)) {
-    const auto* in6 = static_cast<const sockaddr_in6*>(sockaddr);
-    ::inet_ntop(AF_INET6, &in6->sin6_addr, text.data(), text.size());
-    return EndPointAddress{text.data(), ntohs(in6->sin6_port)};
-  }
-  return std::nullopt;
 }
 
 std::array<std::uint8_t, CM_DATA_SIZE> encode_cm_data(const CmData& data) {

@@ -59,10 +59,6 @@ struct ProviderChoice {
 [[nodiscard]] Info get_info(const ProviderChoice& provider, ThreadSafetyModel model,
                             const EndPointAddress& address, bool local);
 
-// The address in a sockaddr (IPv4 or IPv6) as an EndPointAddress.
-[[nodiscard]] std::optional<EndPointAddress> to_endpoint_address(const void* sockaddr,
-                                                                 std::size_t len);
-
 // Connection-management data, sent with fi_connect and fi_accept (16 bytes, little endian):
 //   0..3 magic "NIO3", 4..5 version 1, 6..7 flags 0, 8..15 receive buffer size (0: the
 //   endpoint cannot receive). A sender refuses messages larger than the peer's size.

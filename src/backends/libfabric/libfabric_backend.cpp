@@ -42,6 +42,7 @@
 #include "common/notifier.hpp"
 #include "common/send_ledger.hpp"
 #include "common/setup_deadlines.hpp"
+#include "common/sockaddr.hpp"
 #include "common/thread_model.hpp"
 
 namespace netio3::libfabric {
@@ -247,7 +248,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
       std::array<std::uint8_t, 128> name{};
       std::size_t len = name.size();
       fi_check("fi_getname", fi_getname(&pep->fid, name.data(), &len));
-      const auto bound = to_endpoint_address(name.data(), len);
+      const auto bound = detail::to_endpoint_address(name.data(), len);
       if (!bound) throw std::runtime_error("fi_getname returned no IP address");
       listener->address = EndPointAddress{address.address, bound->port};
     } catch (const std::runtime_error& e) {
@@ -982,7 +983,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
       reject(error);
       return;
     }
-    const auto remote = to_endpoint_address(info->dest_addr, info->dest_addrlen);
+    const auto remote = detail::to_endpoint_address(info->dest_addr, info->dest_addrlen);
     if (!remote) {
       reject("the request carries no IP address");
       return;

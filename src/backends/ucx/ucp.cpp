@@ -1,0 +1,161 @@
+#include "backends/ucx/ucp.hpp"
+
+#include <algorithm>
+#include <cstdlib>
+#include <utility>
+
+#include <fmt/format.h>
+
+#include "common/byte_order.hpp"
+
+namespace netio3::ucx {
+
+std::string status_text(ucs_status_t status) {
+  return fmt::format("{} ({})", ucs_status_string(status), static_cast<int>(status));
+}
+
+UcxError::UcxError(std::string_view what, ucs_status_t status)
+    : std::runtime_error{fmt::format("{} failed: {}", what, status_text(status))},
+      m_status{status} {}
+
+TransportChoice choose_transports(NetworkMode mode) {
+  if (const char* env = std::getenv("UCX_TLS"); env != nullptr && *env != '\0') {
+    return {env, true};
+  }
+  return {mode == NetworkMode::TCP ? "tcp" : "", false};
+}
+
+namespace {
+
+struct ConfigDeleter {
+  void operator()(ucp_config_t* config) const noexcept { ucp_config_release(config); }
+};
+
+}  // namespace
+
+Worker::Worker(const TransportChoice& transports, ThreadSafetyModel model) {
+  ucp_config_t* raw = nullptr;
+  check("ucp_config_read", ucp_config_read(nullptr, nullptr, &raw));
+  const std::unique_ptr<ucp_config_t, ConfigDeleter> config{raw};
+  // The environment has been read into the configuration already; only a choice of our
+  // own is written over it.
+  if (!transports.from_environment && !transports.tls.empty()) {
+    check("ucp_config_modify(TLS)", ucp_config_modify(config.get(), "TLS", transports.tls.c_str()));
+  }
+  ucp_params_t params{};
+  params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
+  params.features = UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
+  params.mt_workers_shared = 0;
+  check("ucp_init", ucp_init(&params, config.get(), &m_context));
+  try {
+    ucp_worker_params_t wp{};
+    wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+    wp.thread_mode =
+        model == ThreadSafetyModel::SAFE ? UCS_THREAD_MODE_MULTI : UCS_THREAD_MODE_SINGLE;
+    check("ucp_worker_create", ucp_worker_create(m_context, &wp, &m_worker));
+    ucp_worker_attr_t attr{};
+    attr.field_mask = UCP_WORKER_ATTR_FIELD_THREAD_MODE | UCP_WORKER_ATTR_FIELD_MAX_AM_HEADER;
+    check("ucp_worker_query", ucp_worker_query(m_worker, &attr));
+    if (model == ThreadSafetyModel::SAFE && attr.thread_mode != UCS_THREAD_MODE_MULTI) {
+      throw std::runtime_error(
+          "ucp_worker_create: this UCX was built without multi-thread support, which "
+          "ThreadSafetyModel::SAFE needs");
+    }
+    m_max_am_header = attr.max_am_header;
+    check("ucp_worker_get_efd", ucp_worker_get_efd(m_worker, &m_efd));
+  } catch (...) {
+    if (m_worker != nullptr) ucp_worker_destroy(m_worker);
+    ucp_cleanup(m_context);
+    throw;
+  }
+}
+
+Worker::~Worker() {
+  ucp_worker_destroy(m_worker);
+  ucp_cleanup(m_context);
+}
+
+MemoryMap::MemoryMap(ucp_context_h context, std::span<std::uint8_t> region)
+    : m_context{context}, m_region{region} {
+  ucp_mem_map_params_t params{};
+  params.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
+  params.address = region.data();
+  params.length = region.size();
+  check("ucp_mem_map", ucp_mem_map(context, &params, &m_memh));
+}
+
+MemoryMap::MemoryMap(MemoryMap&& other) noexcept
+    : m_context{std::exchange(other.m_context, nullptr)},
+      m_memh{std::exchange(other.m_memh, nullptr)},
+      m_region{std::exchange(other.m_region, {})} {}
+
+MemoryMap& MemoryMap::operator=(MemoryMap&& other) noexcept {
+  if (this != &other) {
+    reset();
+    m_context = std::exchange(other.m_context, nullptr);
+    m_memh = std::exchange(other.m_memh, nullptr);
+    m_region = std::exchange(other.m_region, {});
+  }
+  return *this;
+}
+
+MemoryMap::~MemoryMap() {
+  reset();
+}
+
+void MemoryMap::reset() noexcept {
+  if (m_memh != nullptr) ucp_mem_unmap(m_context, m_memh);
+  m_memh = nullptr;
+}
+
+bool MemoryMap::contains(const void* p, std::size_t len) const noexcept {
+  const auto* b = static_cast<const std::uint8_t*>(p);
+  return m_memh != nullptr && b >= m_region.data() && len <= m_region.size() &&
+         b - m_region.data() <= static_cast<std::ptrdiff_t>(m_region.size() - len);
+}
+
+std::array<std::uint8_t, AM_HEADER_SIZE> encode_header(const AmHeader& header) {
+  std::array<std::uint8_t, AM_HEADER_SIZE> out{};
+  out[0] = static_cast<std::uint8_t>(header.type);
+  out[1] = PROTOCOL_VERSION;
+  detail::store_le64(out.data() + 8, header.seq);
+  return out;
+}
+
+std::optional<AmHeader> decode_header(std::span<const std::uint8_t> bytes, std::string& error) {
+  if (bytes.size() != AM_HEADER_SIZE) {
+    error = fmt::format("message header of {} bytes (expected {})", bytes.size(), AM_HEADER_SIZE);
+    return std::nullopt;
+  }
+  if (bytes[1] != PROTOCOL_VERSION) {
+    error = fmt::format("protocol version {} (this side speaks {})", bytes[1], PROTOCOL_VERSION);
+    return std::nullopt;
+  }
+  if (std::any_of(bytes.begin() + 2, bytes.begin() + 8, [](std::uint8_t b) { return b != 0; })) {
+    error = "non-zero reserved bytes in the message header";
+    return std::nullopt;
+  }
+  const auto type = static_cast<MessageType>(bytes[0]);
+  switch (type) {
+    case MessageType::HELLO:
+    case MessageType::HELLO_ACK:
+    case MessageType::DATA:
+    case MessageType::BYE:
+      return AmHeader{type, detail::load_le64(bytes.data() + 8)};
+  }
+  error = fmt::format("unknown message type {}", bytes[0]);
+  return std::nullopt;
+}
+
+std::array<std::uint8_t, HELLO_SIZE> encode_hello(std::uint64_t max_message_size) {
+  std::array<std::uint8_t, HELLO_SIZE> out{};
+  detail::store_le64(out.data(), max_message_size);
+  return out;
+}
+
+std::optional<std::uint64_t> decode_hello(std::span<const std::uint8_t> bytes) {
+  if (bytes.size() != HELLO_SIZE) return std::nullopt;
+  return detail::load_le64(bytes.data());
+}
+
+}  // namespace netio3::ucx
