@@ -680,7 +680,6 @@ class Backend : public std::enable_shared_from_this<Backend> {
                   MAX_IOV);
       return NetioStatus::FAILED;
     }
-    bool sent_at_once = false;
     {
       const std::lock_guard lock{conn.mutex};
       if (conn.close_requested.load(std::memory_order_relaxed) || conn.state == State::CLOSING ||
@@ -745,7 +744,6 @@ class Backend : public std::enable_shared_from_this<Backend> {
                          .conn = conn.shared_from_this(),
                          .key = done.key,
                          .buffer = done.buffer});
-        sent_at_once = true;
       } else {
         conn.ledger.retract(op.ticket);
         release_op(conn, op);
@@ -755,7 +753,9 @@ class Backend : public std::enable_shared_from_this<Backend> {
       }
     }
     NETIO3_TRACE("ucx: send to {} key={} size={}", conn.remote, pending.key, size);
-    if (sent_at_once || !m_loop->in_loop_thread()) kick();
+    // On the loop thread the prepare hook reports it before the loop sleeps; from another
+    // thread the loop must wake up (and progress the send, or report its completion).
+    if (!m_loop->in_loop_thread()) kick();
     return NetioStatus::OK;
   }
 
