@@ -54,14 +54,13 @@ Worker::Worker(const TransportChoice& transports, ThreadSafetyModel model) {
         model == ThreadSafetyModel::SAFE ? UCS_THREAD_MODE_MULTI : UCS_THREAD_MODE_SINGLE;
     check("ucp_worker_create", ucp_worker_create(m_context, &wp, &m_worker));
     ucp_worker_attr_t attr{};
-    attr.field_mask = UCP_WORKER_ATTR_FIELD_THREAD_MODE | UCP_WORKER_ATTR_FIELD_MAX_AM_HEADER;
+    attr.field_mask = UCP_WORKER_ATTR_FIELD_THREAD_MODE;
     check("ucp_worker_query", ucp_worker_query(m_worker, &attr));
     if (model == ThreadSafetyModel::SAFE && attr.thread_mode != UCS_THREAD_MODE_MULTI) {
       throw std::runtime_error(
           "ucp_worker_create: this UCX was built without multi-thread support, which "
           "ThreadSafetyModel::SAFE needs");
     }
-    m_max_am_header = attr.max_am_header;
     check("ucp_worker_get_efd", ucp_worker_get_efd(m_worker, &m_efd));
   } catch (...) {
     if (m_worker != nullptr) ucp_worker_destroy(m_worker);
@@ -75,8 +74,7 @@ Worker::~Worker() {
   ucp_cleanup(m_context);
 }
 
-MemoryMap::MemoryMap(ucp_context_h context, std::span<std::uint8_t> region)
-    : m_context{context}, m_region{region} {
+MemoryMap::MemoryMap(ucp_context_h context, std::span<std::uint8_t> region) : m_context{context} {
   ucp_mem_map_params_t params{};
   params.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
   params.address = region.data();
@@ -86,15 +84,13 @@ MemoryMap::MemoryMap(ucp_context_h context, std::span<std::uint8_t> region)
 
 MemoryMap::MemoryMap(MemoryMap&& other) noexcept
     : m_context{std::exchange(other.m_context, nullptr)},
-      m_memh{std::exchange(other.m_memh, nullptr)},
-      m_region{std::exchange(other.m_region, {})} {}
+      m_memh{std::exchange(other.m_memh, nullptr)} {}
 
 MemoryMap& MemoryMap::operator=(MemoryMap&& other) noexcept {
   if (this != &other) {
     reset();
     m_context = std::exchange(other.m_context, nullptr);
     m_memh = std::exchange(other.m_memh, nullptr);
-    m_region = std::exchange(other.m_region, {});
   }
   return *this;
 }
@@ -106,12 +102,6 @@ MemoryMap::~MemoryMap() {
 void MemoryMap::reset() noexcept {
   if (m_memh != nullptr) ucp_mem_unmap(m_context, m_memh);
   m_memh = nullptr;
-}
-
-bool MemoryMap::contains(const void* p, std::size_t len) const noexcept {
-  const auto* b = static_cast<const std::uint8_t*>(p);
-  return m_memh != nullptr && b >= m_region.data() && len <= m_region.size() &&
-         b - m_region.data() <= static_cast<std::ptrdiff_t>(m_region.size() - len);
 }
 
 std::array<std::uint8_t, AM_HEADER_SIZE> encode_header(const AmHeader& header) {

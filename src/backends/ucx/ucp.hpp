@@ -55,13 +55,11 @@ class Worker {
   [[nodiscard]] ucp_context_h context() const noexcept { return m_context; }
   [[nodiscard]] ucp_worker_h get() const noexcept { return m_worker; }
   [[nodiscard]] int event_fd() const noexcept { return m_efd; }
-  [[nodiscard]] std::size_t max_am_header() const noexcept { return m_max_am_header; }
 
  private:
   ucp_context_h m_context{nullptr};
   ucp_worker_h m_worker{nullptr};
   int m_efd{-1};
-  std::size_t m_max_am_header{0};
 };
 
 // A memory region mapped for UCX (ucp_mem_map), unmapped on destruction.
@@ -75,13 +73,11 @@ class MemoryMap {
   MemoryMap& operator=(MemoryMap&& other) noexcept;
   ~MemoryMap();
   [[nodiscard]] ucp_mem_h get() const noexcept { return m_memh; }
-  [[nodiscard]] bool contains(const void* p, std::size_t len) const noexcept;
 
  private:
   void reset() noexcept;
   ucp_context_h m_context{nullptr};
   ucp_mem_h m_memh{nullptr};
-  std::span<std::uint8_t> m_region;
 };
 
 // ---- the active-message protocol ------------------------------------------------------
