@@ -10,7 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PACKAGES=(cmake ninja-build g++ pkg-config libboost-dev libfmt-dev libgtest-dev libgmock-dev
-          libbenchmark-dev libfabric-dev libucx-dev)
+          libbenchmark-dev libfabric-dev libucx-dev clang libclang-rt-14-dev)
 
 install_missing() {
   local missing=()
