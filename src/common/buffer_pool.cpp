@@ -2,6 +2,7 @@
 
 #include <cstdlib>
 #include <limits>
+#include <memory>
 #include <mutex>
 #include <new>
 
@@ -18,6 +19,11 @@ constexpr std::size_t round_up(std::size_t n, std::size_t a) {
 
 void BufferPool::FreeDeleter::operator()(std::uint8_t* p) const noexcept {
   std::free(p);  // NOLINT(cppcoreguidelines-no-malloc): paired with aligned_alloc
+}
+
+void BufferPool::ObjectsDeleter::operator()(NetworkBuffer* p) const noexcept {
+  std::destroy_n(p, count);
+  ::operator delete (p, std::align_val_t{alignof(NetworkBuffer)});
 }
 
 BufferPool::BufferPool(std::size_t num_buf, std::size_t buf_size, std::size_t headroom,
@@ -43,9 +49,15 @@ BufferPool::BufferPool(std::size_t num_buf, std::size_t buf_size, std::size_t he
   m_memory.reset(mem);
   m_state.assign(num_buf, State::FREE);
   m_free.reserve(num_buf);
+  auto* objects = static_cast<NetworkBuffer*>(
+      ::operator new (num_buf * sizeof(NetworkBuffer), std::align_val_t{alignof(NetworkBuffer)}));
+  m_buffers = std::unique_ptr<NetworkBuffer, ObjectsDeleter>{objects, ObjectsDeleter{0}};
   for (std::size_t i = 0; i < num_buf; ++i) {
-    m_buffers.emplace_back(std::span<std::uint8_t>{mem + i * stride + headroom, buf_size}, i);
+    std::construct_at(objects + i, std::span<std::uint8_t>{mem + i * stride + headroom, buf_size},
+                      i);
+    m_buffers.get_deleter().count = i + 1;
   }
+  m_count = num_buf;
   for (std::size_t i = num_buf; i-- > 0;) m_free.push_back(static_cast<std::uint32_t>(i));
 }
 
@@ -55,13 +67,17 @@ NetworkBuffer* BufferPool::acquire() noexcept {
   const auto id = m_free.back();
   m_free.pop_back();
   m_state[id] = State::LENT;
-  auto& buffer = m_buffers[id];
+  NetworkBuffer& buffer = m_buffers.get()[id];
   buffer.clear();
   return &buffer;
 }
 
 bool BufferPool::owns(const NetworkBuffer* buffer) const noexcept {
-  return buffer != nullptr && buffer->id() < m_buffers.size() && &m_buffers[buffer->id()] == buffer;
+  // By address only (see m_buffers).
+  const auto first = reinterpret_cast<std::uintptr_t>(m_buffers.get());  // NOLINT
+  const auto at = reinterpret_cast<std::uintptr_t>(buffer);              // NOLINT
+  return at >= first && at < first + m_count * sizeof(NetworkBuffer) &&
+         (at - first) % sizeof(NetworkBuffer) == 0;
 }
 
 bool BufferPool::begin_send(NetworkBuffer* buffer) noexcept {

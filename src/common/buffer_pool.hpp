@@ -11,7 +11,6 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <deque>
 #include <memory>
 #include <span>
 #include <vector>
@@ -50,7 +49,7 @@ class BufferPool {
     return {m_memory.get(), m_region_size};
   }
   [[nodiscard]] std::size_t buf_size() const noexcept { return m_buf_size; }
-  [[nodiscard]] std::size_t num_buf() const noexcept { return m_buffers.size(); }
+  [[nodiscard]] std::size_t num_buf() const noexcept { return m_count; }
   [[nodiscard]] std::size_t headroom() const noexcept { return m_headroom; }
   [[nodiscard]] std::size_t free_count() const noexcept;
 
@@ -64,7 +63,15 @@ class BufferPool {
   std::size_t m_headroom;
   std::size_t m_region_size{};
   std::unique_ptr<std::uint8_t, FreeDeleter> m_memory;
-  std::deque<NetworkBuffer> m_buffers;  // deque: elements never move
+  // The NetworkBuffer objects, one array (they never move): owns() can tell whether a
+  // pointer is one of them by its address alone, without reading through it - an
+  // application may hand back a pointer whose connection (and pool) is already gone.
+  struct ObjectsDeleter {
+    std::size_t count;
+    void operator()(NetworkBuffer* p) const noexcept;
+  };
+  std::unique_ptr<NetworkBuffer, ObjectsDeleter> m_buffers;
+  std::size_t m_count{0};
   std::vector<State> m_state;
   std::vector<std::uint32_t> m_free;  // LIFO: the most recently used buffer is warm in cache
   mutable OptionalMutex m_mutex;

@@ -3,8 +3,10 @@
 #include "common/buffer_pool.hpp"
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstdint>
+#include <memory>
 #include <set>
 #include <stdexcept>
 #include <thread>
@@ -114,6 +116,25 @@ TEST(BufferPool, BeginSendOnlyForLentBuffersOfThisPool) {
   pool.release(d);
   EXPECT_FALSE(pool.begin_send(d));
   EXPECT_TRUE(pool.begin_send(c));
+}
+
+// An application may hand back a pointer whose connection, and pool, are gone: the check
+// must not read through it (under ASan, reading the freed object here fails the test).
+TEST(BufferPool, OwnsJudgesAPointerWithoutReadingIt) {
+  std::array<std::uint8_t, 16> storage{};
+  auto gone = std::make_unique<NetworkBuffer>(std::span<std::uint8_t>{storage}, 0);
+  const NetworkBuffer* dangling = gone.get();
+  gone.reset();
+  BufferPool pool{4, 64, 0, true};
+  EXPECT_FALSE(pool.owns(dangling));
+  EXPECT_FALSE(pool.begin_send(const_cast<NetworkBuffer*>(dangling)));  // NOLINT
+  // Inside the pool's objects but not at the start of one.
+  NetworkBuffer* first = pool.acquire();
+  ASSERT_NE(first, nullptr);
+  const auto* inside = reinterpret_cast<const NetworkBuffer*>(  // NOLINT
+      reinterpret_cast<const std::uint8_t*>(first) + 1);        // NOLINT
+  EXPECT_FALSE(pool.owns(inside));
+  EXPECT_TRUE(pool.owns(first));
 }
 
 TEST(BufferPool, AbortSendMakesTheBufferLentAgain) {

@@ -571,6 +571,10 @@ class Backend : public std::enable_shared_from_this<Backend> {
   void on_socket_event(const std::shared_ptr<Connection>& conn, std::uint32_t events) {
     assert_loop_thread();
     if (m_shut_down || conn->state == State::CLOSED) return;
+    // A close was requested from another thread and is posted to this loop: nothing more is
+    // read (a decoder stopped by the request dropped the rest of its input, so the stream
+    // cannot be parsed any further) and nothing more is written.
+    if (conn->close_requested.load(std::memory_order_relaxed)) return;
     if (conn->state == State::CONNECTING) {
       on_connect_done(conn);
       return;
@@ -645,7 +649,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
     const int fd = conn->socket.native_handle();
     const auto on_greeting_cb = [&](const Greeting& g) { return on_greeting(conn, g); };
     const auto on_message_cb = [&](std::span<const std::uint8_t> message) {
-      if (conn->state != State::OPEN) return false;
+      if (!still_open(*conn)) return false;
       m_notifier.data(conn->remote, message);
       return still_open(*conn);
     };

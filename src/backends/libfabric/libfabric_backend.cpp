@@ -35,6 +35,7 @@
 #include "backends/libfabric/fabric.hpp"
 #include "common/backend_facade.hpp"
 #include "common/buffer_pool.hpp"
+#include "common/closed_listeners.hpp"
 #include "common/connection.hpp"
 #include "common/endpoint_registry.hpp"
 #include "common/endpoint_rules.hpp"
@@ -114,6 +115,9 @@ struct Listener {
   Domain* const domain;
   std::shared_ptr<RecvBuffers> shared_recv;  // recv_params.use_shared_receive_buffers
   Fid<fid_pep> pep;
+  // Set by close_listen_endpoint. The pep stays open for a while after, rejecting what
+  // arrives (common/closed_listeners.hpp).
+  std::atomic<bool> closed{false};
 };
 
 struct Connection : detail::ConnectionBase {
@@ -182,6 +186,10 @@ class Backend : public std::enable_shared_from_this<Backend> {
     m_kick = m_loop->create_signal([weak] {
       if (auto self = weak.lock()) self->on_kick();
     });
+    m_closed_listeners.emplace(*m_loop, m_config.limits.connect_timeout,
+                               [weak](Listener& listener) {
+                                 if (auto self = weak.lock()) self->release_listener(listener);
+                               });
     m_deadlines.emplace(
         *m_loop, NAME, m_config.limits.connect_timeout,
         [](const Connection& conn) {
@@ -207,6 +215,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
       handles.cq.close();
     }
     for (auto& listener : all.listeners) listener->pep.reset();
+    if (m_closed_listeners) m_closed_listeners->release_all();
     for (auto& conn : all.connections) abandon(*conn);
     // No queue is read from here on, so nothing can point into what goes next. Endpoints
     // before shared receive contexts and registrations, those before their domains.
@@ -232,6 +241,8 @@ class Backend : public std::enable_shared_from_this<Backend> {
     };
     Info info = fabric_info(address, true, fail);
     Domain& domain = open_domain(*info, fail);
+    // A closed listener may still hold the port: this listen endpoint replaces it.
+    if (address.port != 0) m_closed_listeners->release_port(address.port);
     const auto held = m_registry.lock();
     if (address.port != 0) m_registry.check_listen_free(held, address);
     auto listener = std::make_shared<Listener>(next_id(), address, params, &domain);
@@ -306,8 +317,8 @@ class Backend : public std::enable_shared_from_this<Backend> {
       const auto held = m_registry.lock();
       std::tie(listener, children) = m_registry.take_listener(held, address);
     }
-    listener->pep.reset();  // no more connection requests
-    forget(listener->id);
+    listener->closed.store(true);
+    m_closed_listeners->retire(listener);
     NETIO3_DEBUG("libfabric: stopped listening on {} ({} connection(s) to close)", address,
                  children.size());
     for (const auto& child : children) close_requested(child, "listen endpoint closed");
@@ -971,8 +982,21 @@ class Backend : public std::enable_shared_from_this<Backend> {
                              std::span<const std::uint8_t> data) {
     Info info{entry.info};  // ours to free
     const auto listener = listener_by_id(id_of(entry.fid));
-    if (!listener || !listener->pep)
-      return;  // closed meanwhile: its pep is gone, so is the request
+    // A request for a closed listener is refused at once (the peer does not wait for its
+    // set-up to time out, and the provider frees the request's socket).
+    const auto refuse_closed = [&] {
+      const std::lock_guard lock{m_pep_mutex};
+      if (listener && listener->pep) {
+        fi_reject(listener->pep.get(), info->handle, nullptr, 0);
+      } else if (info->handle != nullptr) {
+        fi_close(info->handle);
+      }
+      NETIO3_DEBUG("libfabric: refused a connection request on a closed listen endpoint");
+    };
+    if (!listener || listener->closed.load()) {
+      refuse_closed();
+      return;
+    }
     const auto reject = [&](std::string_view why) {
       NETIO3_WARN("libfabric: refusing a connection on {}: {}", listener->address, why);
       fi_reject(listener->pep.get(), info->handle, nullptr, 0);
@@ -991,7 +1015,10 @@ class Backend : public std::enable_shared_from_this<Backend> {
     std::shared_ptr<Connection> conn;
     {
       const auto held = m_registry.lock();
-      if (!m_registry.has_listener(held, listener->address)) return;
+      if (!m_registry.has_listener(held, listener->address)) {
+        refuse_closed();  // closed meanwhile
+        return;
+      }
       if (m_registry.find(held, *remote)) {
         reject(fmt::format("a connection with {} exists", *remote));
         return;
@@ -1106,6 +1133,14 @@ class Backend : public std::enable_shared_from_this<Backend> {
     conn.ep.reset();
   }
 
+  void release_listener(Listener& listener) {
+    {
+      const std::lock_guard lock{m_pep_mutex};
+      listener.pep.reset();
+    }
+    forget(listener.id);
+  }
+
   void release_retired(const Domain& domain) {
     std::erase_if(m_retired, [&](const Retired& r) {
       return r.domain == &domain && domain.drains >= r.drains_at_close + RETIRE_AFTER_DRAINS;
@@ -1141,6 +1176,9 @@ class Backend : public std::enable_shared_from_this<Backend> {
 
   // Loop thread only.
   std::vector<Retired> m_retired;
+
+  std::optional<detail::ClosedListeners<Listener>> m_closed_listeners;
+  std::mutex m_pep_mutex;  // closing a closed listener's pep vs. rejecting with it
 
   std::atomic<bool> m_kick_pending{false};
   EventSignalHandle m_kick;

@@ -40,6 +40,7 @@
 #include "backends/ucx/ucp.hpp"
 #include "common/backend_facade.hpp"
 #include "common/buffer_pool.hpp"
+#include "common/closed_listeners.hpp"
 #include "common/connection.hpp"
 #include "common/endpoint_registry.hpp"
 #include "common/endpoint_rules.hpp"
@@ -174,6 +175,9 @@ struct Connection : detail::ConnectionBase, std::enable_shared_from_this<Connect
   bool flushing{false};  // a flush request is out
   bool flushed{false};
   bool timed_out{false};  // close_timeout passed
+  // The peer's first message arrived (or the endpoint failed): UCX's connection set-up is
+  // over. An endpoint is not closed before that (see advance_close).
+  bool wired{false};
   bool ep_close_started{false};
   bool ep_closed{false};
   bool reported{false};  // the application was told
@@ -268,6 +272,8 @@ class Backend : public std::enable_shared_from_this<Backend> {
         self->progress();
       }
     });
+    m_closed_listeners.emplace(*m_loop, m_config.limits.connect_timeout,
+                               [](Listener& listener) { listener.destroy(); });
     m_deadlines.emplace(
         *m_loop, NAME, m_config.limits.connect_timeout,
         [](const Connection& conn) {
@@ -289,6 +295,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
     m_kick.close();
     m_efd.close();
     if (m_deadlines) m_deadlines->close();
+    if (m_closed_listeners) m_closed_listeners->release_all();
     std::vector<std::shared_ptr<Connection>> conns;
     {
       const std::lock_guard lock{m_ids_mutex};
@@ -433,6 +440,8 @@ class Backend : public std::enable_shared_from_this<Backend> {
     };
     const auto sockaddr = detail::to_socket_address(address);
     if (!sockaddr) throw fail("not a numeric IP address");
+    // A closed listener may still hold the port: this listen endpoint replaces it.
+    if (address.port != 0) m_closed_listeners->release_port(address.port);
     const auto held = m_registry.lock();
     if (address.port != 0) m_registry.check_listen_free(held, address);
     auto listener = std::make_shared<Listener>(next_id(), address, params);
@@ -517,9 +526,10 @@ class Backend : public std::enable_shared_from_this<Backend> {
       const auto held = m_registry.lock();
       std::tie(listener, children) = m_registry.take_listener(held, address);
     }
-    // Requests already queued are refused while the queue still holds the listener; the
-    // UCX listener goes with the last reference.
+    // Requests already queued or still arriving are refused; the UCX listener is destroyed
+    // after a grace period (common/closed_listeners.hpp).
     listener->closed.store(true);
+    m_closed_listeners->retire(listener);
     NETIO3_DEBUG("ucx: stopped listening on {} ({} connection(s) to close)", address,
                  children.size());
     for (const auto& child : children) close_requested(child, "listen endpoint closed");
@@ -855,6 +865,10 @@ class Backend : public std::enable_shared_from_this<Backend> {
 
   static void conn_request_callback(ucp_conn_request_h request, void* arg) {
     auto* listener = static_cast<Listener*>(arg);
+    if (listener->closed.load()) {
+      ucp_listener_reject(listener->handle, request);
+      return;
+    }
     listener->backend->push_event(Event{.kind = Event::Kind::CONN_REQUEST,
                                         .listener = listener->shared_from_this(),
                                         .request = request});
@@ -890,6 +904,10 @@ class Backend : public std::enable_shared_from_this<Backend> {
     if (!conn) {
       NETIO3_DEBUG("ucx: dropping a message from an endpoint that is gone");
       return drop;
+    }
+    if (!conn->wired) {
+      conn->wired = true;
+      mark_dirty(*conn);  // a close waiting for the set-up to end goes on (service_inbox)
     }
     if (conn->failed || conn->state == State::CLOSING || conn->state == State::CLOSED) return drop;
     std::string error;
@@ -1120,6 +1138,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
   }
 
   void on_ep_error(const std::shared_ptr<Connection>& conn, ucs_status_t status) {
+    conn->wired = true;  // set-up over, if it was not
     if (conn->state == State::CLOSING || conn->state == State::CLOSED) {
       // A flush in progress ends with an error of its own; the close is forced.
       conn->force_close = true;
@@ -1443,6 +1462,12 @@ class Backend : public std::enable_shared_from_this<Backend> {
           conn->flushed || (conn->force_close && !conn->flushing) || conn->timed_out;
       if (!flush_over) return;
       if (conn->receiving > 0 && !conn->timed_out) return;  // finish_receive comes back here
+      // UCX 1.13's tcp sockcm asserts (tcp_sockcm_ep.c:416, async.c:643) or crashes when an
+      // endpoint is closed while its connection is still being set up. A connection closed
+      // during set-up is therefore closed once the peer's first message or an error shows
+      // that the set-up is over, or after close_timeout; on_message and on_ep_error come
+      // back here.
+      if (!conn->wired && !conn->timed_out) return;
       conn->ep_close_started = true;
       forget_endpoint(*conn);
       ucp_request_param_t param{};
@@ -1506,6 +1531,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
 
   Registry m_registry{NAME};
   std::optional<detail::SetupDeadlines<Connection>> m_deadlines;
+  std::optional<detail::ClosedListeners<Listener>> m_closed_listeners;
 
   detail::OptionalMutex m_ids_mutex;
   std::unordered_map<std::uint64_t, std::weak_ptr<Connection>> m_conn_ids;
