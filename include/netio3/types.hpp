@@ -109,6 +109,7 @@ using OnSendCompleted = std::function<void(const EndPointAddress& remote, std::u
 
 inline constexpr std::size_t DEFAULT_MAX_MESSAGE_SIZE = std::size_t{64} << 20U;
 inline constexpr std::size_t DEFAULT_MAX_UNSENT_BYTES = std::size_t{8} << 20U;
+inline constexpr std::size_t DEFAULT_MAX_RECEIVE_MEMORY = std::size_t{1} << 30U;
 
 // Bounds that protect a process from its peers and from itself. Appended to NetworkConfig
 // after the members fixed by the contract.
@@ -118,6 +119,12 @@ struct NetworkLimits {
   std::size_t max_message_size{DEFAULT_MAX_MESSAGE_SIZE};
   // Bytes a connection may hold accepted-but-unsent before sends return NO_RESOURCES.
   std::size_t max_unsent_bytes{DEFAULT_MAX_UNSENT_BYTES};
+  // Bytes the backend may hold in messages still arriving, over all its connections
+  // (asyncmsg: the bodies that do not come in one read). A connection whose next message
+  // would exceed it stops reading - TCP pushes back on its sender - until messages in
+  // progress complete. Must be at least max_message_size. libfabric receives into its
+  // fixed pools and UCX into pool buffers or per-message heap blocks, so they do not use it.
+  std::size_t max_receive_memory{DEFAULT_MAX_RECEIVE_MEMORY};
   // Connection set-up (TCP connect plus protocol greeting) must finish within this time,
   // otherwise the active side gets on_connection_refused_cb and the passive side drops it.
   std::chrono::milliseconds connect_timeout{std::chrono::seconds{10}};

@@ -42,6 +42,11 @@ void check_config(const NetworkConfig& config) {
   if (config.limits.max_unsent_bytes == 0) {
     throw InvalidConfiguration("limits.max_unsent_bytes must be > 0");
   }
+  if (config.limits.max_receive_memory < config.limits.max_message_size) {
+    throw InvalidConfiguration(
+        fmt::format("limits.max_receive_memory ({}) must be at least limits.max_message_size ({})",
+                    config.limits.max_receive_memory, config.limits.max_message_size));
+  }
   if (config.limits.connect_timeout.count() <= 0) {
     throw InvalidConfiguration("limits.connect_timeout must be > 0");
   }

@@ -1331,6 +1331,57 @@ TEST_F(HostileAsyncmsg, DeclaredHugeMessageKeepsMemoryBounded) {
   finish();
 }
 
+// limits.max_receive_memory bounds the memory of messages in progress over all connections.
+// Peer A holds most of it with a half-sent message; peer B's message does not fit, so B's
+// connection stops reading and B's sender blocks in the kernel, even though it keeps
+// sending. The legitimate stream (smaller messages, which fit) goes on. When A completes,
+// B's message is read and arrives intact.
+TEST_F(HostileAsyncmsg, TotalReceiveMemoryLimitMakesMessagesWait) {
+  NetworkLimits limits = patient_limits();
+  limits.max_message_size = 512 * 1024;
+  limits.max_receive_memory = 768 * 1024;
+  ASSERT_NO_FATAL_FAILURE(start(limits, 64 * 1024));
+  constexpr std::uint32_t STREAM_A = 10;
+  constexpr std::uint32_t STREAM_B = 11;
+  constexpr std::size_t SIZE_A = 500 * 1024;  // admitted: 500 KiB of 768 KiB
+  constexpr std::size_t SIZE_B = 400 * 1024;  // does not fit beside A
+  m_checker.expect_stream(STREAM_A);
+  m_checker.expect_stream(STREAM_B);
+
+  RawPeer a{m_listen};
+  const Bytes frame_a = make_frame(STREAM_A, 0, SIZE_A);
+  Bytes first = greeting();
+  append(first, head(frame_a, 100 * 1024));
+  ASSERT_TRUE(a.send_all(first));
+  ASSERT_TRUE(wait_server_event(Recorder::Kind::ESTABLISHED, a.local()));
+  ASSERT_NO_FATAL_FAILURE(wait_consumed(a));
+
+  RawPeer b{m_listen};
+  Bytes all_b = greeting();
+  append(all_b, make_frame(STREAM_B, 0, SIZE_B));
+  std::atomic<bool> b_sent{false};
+  std::jthread b_sender{[&] { b_sent = b.send_all(all_b, 60s); }};
+  ASSERT_TRUE(wait_server_event(Recorder::Kind::ESTABLISHED, b.local()));
+  // The legitimate stream keeps flowing meanwhile; B's message, whole in the sender's hands,
+  // must not arrive while A's is incomplete (were it read, it would complete at once).
+  expect_stream_progress(300);
+  EXPECT_EQ(m_checker.received(STREAM_B), 0U) << "B's message was read beyond the limit";
+  EXPECT_EQ(m_checker.received(STREAM_A), 0U);
+
+  ASSERT_TRUE(a.send_all(std::span<const std::uint8_t>{frame_a}.subspan(100 * 1024)));
+  EXPECT_TRUE(m_checker.wait_received(STREAM_A, 1, PROMPT));
+  EXPECT_TRUE(m_checker.wait_received(STREAM_B, 1, PROMPT)) << "B never resumed";
+  b_sender.join();
+  EXPECT_TRUE(b_sent.load());
+  expect_stream_progress(100);
+  for (RawPeer* peer : {&a, &b}) {
+    const EndPointAddress address = peer->local();
+    peer->close();
+    EXPECT_TRUE(wait_server_event(Recorder::Kind::CLOSED, address));
+  }
+  finish();
+}
+
 TEST_F(HostileAsyncmsg, MaxMessageSizeBoundary) {
   constexpr std::size_t MAX = 4096;
   NetworkLimits limits = patient_limits();

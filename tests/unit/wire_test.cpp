@@ -403,6 +403,44 @@ TEST(WireDecoder, MessageCallbackReturningFalseStops) {
   }
 }
 
+// A body that is refused admission pauses the decoder with the rest of the input kept;
+// resume() asks again and delivers everything intact and in order.
+TEST(WireDecoder, RefusedAdmissionPausesAndResumeDeliversInOrder) {
+  const Stream s = make_stream({3, 5000, 0, 70000, 7});
+  FrameDecoder decoder{1U << 20U};
+  std::vector<Bytes> got;
+  auto on_message = [&](std::span<const std::uint8_t> m) {
+    got.emplace_back(m.begin(), m.end());
+    return true;
+  };
+  std::vector<std::size_t> asked;
+  bool allow = false;
+  auto admit = [&](std::size_t length) {
+    asked.push_back(length);
+    return allow;
+  };
+  // The 5000-byte message is cut: it must be admitted, and is not.
+  const std::size_t cut = GREETING_SIZE + 8 + 3 + 8 + 100;
+  EXPECT_EQ(decoder.feed(std::span{s.bytes}.first(cut), accept_greeting, on_message, admit),
+            Status::PAUSED);
+  EXPECT_TRUE(decoder.paused());
+  EXPECT_TRUE(decoder.mid_item());
+  EXPECT_EQ(asked, std::vector<std::size_t>{5000});
+  EXPECT_EQ(got.size(), 1U);
+  // While paused, nothing more is consumed.
+  EXPECT_EQ(decoder.feed(std::span{s.bytes}.subspan(cut, 10), accept_greeting, on_message, admit),
+            Status::PAUSED);
+  EXPECT_EQ(decoder.resume(accept_greeting, on_message, admit), Status::PAUSED);
+  allow = true;
+  EXPECT_EQ(decoder.resume(accept_greeting, on_message, admit), Status::OK);
+  EXPECT_TRUE(decoder.in_body());
+  EXPECT_EQ(decoder.feed(std::span{s.bytes}.subspan(cut), accept_greeting, on_message, admit),
+            Status::OK);
+  EXPECT_FALSE(decoder.mid_item());
+  ASSERT_EQ(got.size(), s.messages.size());
+  for (std::size_t i = 0; i < got.size(); ++i) EXPECT_EQ(got[i], s.messages[i]) << i;
+}
+
 // ---------------------------------------------------------- direct reads, memory use
 
 TEST(WireDecoder, DirectTargetAssemblesALargeMessage) {

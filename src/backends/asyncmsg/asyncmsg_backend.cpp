@@ -21,6 +21,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <deque>
 #include <list>
 #include <mutex>
 #include <netinet/in.h>
@@ -117,6 +118,8 @@ struct Connection : detail::ConnectionBase {
   // Loop thread only.
   FrameDecoder decoder;
   bool epollout{false};
+  bool receive_paused{false};  // waiting for receive memory: not reading
+  std::size_t reserved{0};     // receive memory admitted for the message being assembled
 
   // Under `mutex`; `state` is written on the loop thread only.
   State state;
@@ -579,7 +582,14 @@ class Backend : public std::enable_shared_from_this<Backend> {
       on_connect_done(conn);
       return;
     }
-    if ((events & (EPOLLIN | EPOLLERR | EPOLLHUP)) != 0) {
+    if (conn->receive_paused && (events & (EPOLLERR | EPOLLHUP)) != 0) {
+      NETIO3_WARN("asyncmsg: connection with {} failed while waiting for receive memory",
+                  conn->remote);
+      close_connection(conn, "connection failed while waiting for receive memory",
+                       CloseKind::ERROR);
+      return;
+    }
+    if (!conn->receive_paused && (events & (EPOLLIN | EPOLLERR | EPOLLHUP)) != 0) {
       on_readable(conn);
       if (m_shut_down || conn->state == State::CLOSED) return;
     }
@@ -644,15 +654,20 @@ class Backend : public std::enable_shared_from_this<Backend> {
            !conn.close_requested.load(std::memory_order_relaxed);
   }
 
+  bool deliver(const std::shared_ptr<Connection>& conn, std::span<const std::uint8_t> message) {
+    if (!still_open(*conn)) return false;
+    m_notifier.data(conn->remote, message);
+    return still_open(*conn);
+  }
+
   void on_readable(const std::shared_ptr<Connection>& conn) {
     if (!m_scratch) m_scratch = std::make_unique_for_overwrite<std::uint8_t[]>(SCRATCH_SIZE);
     const int fd = conn->socket.native_handle();
     const auto on_greeting_cb = [&](const Greeting& g) { return on_greeting(conn, g); };
     const auto on_message_cb = [&](std::span<const std::uint8_t> message) {
-      if (!still_open(*conn)) return false;
-      m_notifier.data(conn->remote, message);
-      return still_open(*conn);
+      return deliver(conn, message);
     };
+    const auto admit_cb = [&](std::size_t length) { return admit(*conn, length); };
     for (int i = 0; i < READS_PER_EVENT; ++i) {
       std::span<std::uint8_t> target = conn->decoder.direct_target();
       const bool direct = !target.empty();
@@ -662,15 +677,9 @@ class Backend : public std::enable_shared_from_this<Backend> {
         const auto got = static_cast<std::size_t>(n);
         const auto status =
             direct ? conn->decoder.commit_direct(got, on_message_cb)
-                   : conn->decoder.feed(target.first(got), on_greeting_cb, on_message_cb);
+                   : conn->decoder.feed(target.first(got), on_greeting_cb, on_message_cb, admit_cb);
         if (m_shut_down || conn->state == State::CLOSED) return;
-        if (status == FrameDecoder::Status::ERROR) {
-          NETIO3_WARN("asyncmsg: closing connection with {}: {}", conn->remote,
-                      conn->decoder.error());
-          close_connection(conn, conn->decoder.error(), CloseKind::ERROR);
-          return;
-        }
-        if (status == FrameDecoder::Status::STOPPED) return;
+        if (!after_decode(conn, status)) return;
         if (got < target.size()) return;  // drained for now
         continue;
       }
@@ -716,8 +725,92 @@ class Backend : public std::enable_shared_from_this<Backend> {
   static void set_epollout(Connection& conn, bool on) {
     if (conn.epollout == on) return;
     conn.epollout = on;
+    update_events(conn);
+  }
+
+  static void update_events(Connection& conn) {
+    const std::uint32_t events =
+        (conn.receive_paused ? 0U : std::uint32_t{EPOLLIN}) | (conn.epollout ? EPOLLOUT : 0U);
     const std::lock_guard lock{conn.mutex};
-    conn.fd.modify(on ? (EPOLLIN | EPOLLOUT) : EPOLLIN);
+    conn.fd.modify(events);
+  }
+
+  // ---- receive memory (limits.max_receive_memory) -------------------------------------
+  // A message body that does not arrive in one read holds memory until it is complete. It
+  // is admitted only if the backend's total stays within the limit; otherwise its
+  // connection stops reading (TCP pushes back on the sender) until memory is released.
+  // Admitted messages can always complete, so honest peers never wait on each other in a
+  // circle; paused connections resume in the order they paused.
+
+  bool admit(Connection& conn, std::size_t length) {
+    release_receive_memory(conn);  // a new body: the previous one is complete
+    if (length > m_config.limits.max_receive_memory - m_receive_reserved) return false;
+    m_receive_reserved += length;
+    conn.reserved = length;
+    return true;
+  }
+
+  void release_receive_memory(Connection& conn) {
+    if (conn.reserved == 0) return;
+    m_receive_reserved -= conn.reserved;
+    conn.reserved = 0;
+    if (!m_receive_waiting.empty() && !m_resume_posted) {
+      m_resume_posted = true;
+      std::weak_ptr<Backend> weak = weak_from_this();
+      m_loop->post([weak] {
+        if (auto self = weak.lock()) self->resume_waiting();
+      });
+    }
+  }
+
+  void pause_receiving(const std::shared_ptr<Connection>& conn) {
+    NETIO3_DEBUG("asyncmsg: connection with {}: waiting for receive memory ({} of {} bytes held)",
+                 conn->remote, m_receive_reserved, m_config.limits.max_receive_memory);
+    conn->receive_paused = true;
+    update_events(*conn);
+    m_receive_waiting.push_back(conn);
+  }
+
+  void resume_waiting() {
+    m_resume_posted = false;
+    while (!m_receive_waiting.empty() && !m_shut_down) {
+      const auto conn = m_receive_waiting.front().lock();
+      if (!conn || conn->state == State::CLOSED || !conn->receive_paused) {
+        m_receive_waiting.pop_front();
+        continue;
+      }
+      const auto status = conn->decoder.resume(
+          [&](const Greeting& g) { return on_greeting(conn, g); },
+          [&](std::span<const std::uint8_t> message) { return deliver(conn, message); },
+          [&](std::size_t length) { return admit(*conn, length); });
+      if (m_shut_down) return;
+      // Still first in line (perhaps with a later message of the kept bytes).
+      if (status == FrameDecoder::Status::PAUSED) return;
+      m_receive_waiting.pop_front();
+      conn->receive_paused = false;
+      if (conn->state == State::CLOSED) continue;
+      if (after_decode(conn, status)) update_events(*conn);
+    }
+  }
+
+  // Handles a decoder status on an open connection; false if the connection stopped.
+  bool after_decode(const std::shared_ptr<Connection>& conn, FrameDecoder::Status status) {
+    if (conn->reserved > 0 && !conn->decoder.in_body()) release_receive_memory(*conn);
+    switch (status) {
+      case FrameDecoder::Status::OK:
+        return true;
+      case FrameDecoder::Status::ERROR:
+        NETIO3_WARN("asyncmsg: closing connection with {}: {}", conn->remote,
+                    conn->decoder.error());
+        close_connection(conn, conn->decoder.error(), CloseKind::ERROR);
+        return false;
+      case FrameDecoder::Status::STOPPED:
+        return false;
+      case FrameDecoder::Status::PAUSED:
+        pause_receiving(conn);
+        return false;
+    }
+    return false;
   }
 
   void flush(const std::shared_ptr<Connection>& conn) {
@@ -790,10 +883,12 @@ class Backend : public std::enable_shared_from_this<Backend> {
       if (previous == State::CLOSED) return;
       conn->state = State::CLOSED;
       keys = detail::cancel_all_sends(conn->ledger, conn->send_pool);
+      conn->receive_paused = false;
       conn->queue.clear();
       conn->flush_pending = false;
       conn->fd.close();
     }
+    release_receive_memory(*conn);
     {
       const auto held = m_registry.lock();
       m_registry.remove(held, conn);
@@ -906,6 +1001,10 @@ class Backend : public std::enable_shared_from_this<Backend> {
   // Loop thread only.
   std::vector<std::shared_ptr<Connection>> m_flush_work;
   std::unique_ptr<std::uint8_t[]> m_scratch;
+  // Receive memory (loop thread only).
+  std::size_t m_receive_reserved{0};
+  std::deque<std::weak_ptr<Connection>> m_receive_waiting;
+  bool m_resume_posted{false};
   std::list<Lingering> m_lingering;
 
   EventSignalHandle m_flush_signal;

@@ -25,6 +25,8 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "common/byte_order.hpp"
 
@@ -63,7 +65,9 @@ inline void encode_frame_header(std::uint8_t* out, std::uint32_t length) noexcep
 
 class FrameDecoder {
  public:
-  enum class Status { OK, STOPPED, ERROR };
+  // PAUSED: a message body must be admitted (see feed) and was not; the decoder keeps the
+  // rest of the input and waits for resume().
+  enum class Status { OK, STOPPED, ERROR, PAUSED };
 
   explicit FrameDecoder(std::size_t max_message_size) noexcept
       : m_max_message_size{max_message_size < WIRE_MAX_MESSAGE_SIZE ? max_message_size
@@ -76,7 +80,21 @@ class FrameDecoder {
   // `bytes` are handed out in place, without a copy.
   template <typename OnGreeting, typename OnMessage>
   Status feed(std::span<const std::uint8_t> bytes, OnGreeting&& on_greeting,
-              OnMessage&& on_message);
+              OnMessage&& on_message) {
+    return feed(bytes, on_greeting, on_message, [](std::size_t) { return true; });
+  }
+  // As above; admit(std::size_t length) -> bool is asked before the decoder starts holding
+  // a message body that is not wholly inside `bytes` (memory it will hold until the message
+  // is complete). On false the decoder copies the rest of `bytes` (at most one read) and
+  // returns PAUSED; resume() asks again and goes on with the kept bytes.
+  template <typename OnGreeting, typename OnMessage, typename Admit>
+  Status feed(std::span<const std::uint8_t> bytes, OnGreeting&& on_greeting, OnMessage&& on_message,
+              Admit&& admit);
+  template <typename OnGreeting, typename OnMessage, typename Admit>
+  Status resume(OnGreeting&& on_greeting, OnMessage&& on_message, Admit&& admit);
+  [[nodiscard]] bool paused() const noexcept { return m_stage == Stage::WAIT; }
+  // A message body is being assembled (the memory admitted for it is in use).
+  [[nodiscard]] bool in_body() const noexcept { return m_stage == Stage::BODY; }
 
   // While a large message is being assembled, the space the next read may fill directly
   // (never past the end of that message); empty otherwise. Follow a read into it with
@@ -89,7 +107,7 @@ class FrameDecoder {
   [[nodiscard]] bool greeted() const noexcept { return m_stage != Stage::GREETING; }
   // True while a greeting, frame header or message has been started but not completed.
   [[nodiscard]] bool mid_item() const noexcept {
-    return m_small_have > 0 || m_stage == Stage::BODY;
+    return m_small_have > 0 || m_stage == Stage::BODY || m_stage == Stage::WAIT;
   }
   // Bytes held for an incomplete message (for memory accounting and tests).
   [[nodiscard]] std::size_t buffered_capacity() const noexcept { return m_body_cap; }
@@ -99,7 +117,7 @@ class FrameDecoder {
   static constexpr std::size_t DIRECT_MIN = std::size_t{64} << 10U;
 
  private:
-  enum class Stage { GREETING, HEADER, BODY };
+  enum class Stage { GREETING, HEADER, BODY, WAIT };
 
   // Validates a complete greeting / frame header; false sets m_error.
   bool parse_greeting(const std::uint8_t* p, Greeting& out);
@@ -117,12 +135,14 @@ class FrameDecoder {
   std::size_t m_body_cap{0};
   std::size_t m_body_have{0};
   std::size_t m_body_len{0};
+  std::vector<std::uint8_t> m_pending;  // WAIT: input after the header, kept for resume()
   std::string m_error;
 };
 
-template <typename OnGreeting, typename OnMessage>
+template <typename OnGreeting, typename OnMessage, typename Admit>
 FrameDecoder::Status FrameDecoder::feed(std::span<const std::uint8_t> bytes,
-                                        OnGreeting&& on_greeting, OnMessage&& on_message) {
+                                        OnGreeting&& on_greeting, OnMessage&& on_message,
+                                        Admit&& admit) {
   const std::uint8_t* p = bytes.data();
   std::size_t left = bytes.size();
   while (left > 0) {
@@ -171,9 +191,16 @@ FrameDecoder::Status FrameDecoder::feed(std::span<const std::uint8_t> bytes,
         }
         m_body_len = length;
         m_body_have = 0;
+        if (!admit(length)) {
+          m_stage = Stage::WAIT;
+          m_pending.assign(p, p + left);
+          return Status::PAUSED;
+        }
         m_stage = Stage::BODY;
         break;
       }
+      case Stage::WAIT:
+        return Status::PAUSED;  // resume() first
       case Stage::BODY: {
         const std::size_t take = std::min(left, m_body_len - m_body_have);
         grow_body(m_body_have + take);
@@ -191,6 +218,16 @@ FrameDecoder::Status FrameDecoder::feed(std::span<const std::uint8_t> bytes,
     }
   }
   return Status::OK;
+}
+
+template <typename OnGreeting, typename OnMessage, typename Admit>
+FrameDecoder::Status FrameDecoder::resume(OnGreeting&& on_greeting, OnMessage&& on_message,
+                                          Admit&& admit) {
+  if (m_stage != Stage::WAIT) return Status::OK;
+  if (!admit(m_body_len)) return Status::PAUSED;
+  m_stage = Stage::BODY;
+  const std::vector<std::uint8_t> pending = std::exchange(m_pending, {});
+  return feed(pending, on_greeting, on_message, admit);
 }
 
 template <typename OnMessage>
