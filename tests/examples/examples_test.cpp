@@ -4,28 +4,18 @@
 // killed; no child outlives its test.
 
 #include <algorithm>
-#include <array>
 #include <cctype>
 #include <cerrno>
 #include <chrono>
 #include <cstdint>
 #include <cstdlib>
-#include <cstring>
-#include <fcntl.h>
 #include <functional>
-#include <netinet/in.h>
 #include <optional>
-#include <poll.h>
-#include <signal.h>
-#include <spawn.h>
 #include <sstream>
 #include <stdexcept>
 #include <string>
 #include <string_view>
-#include <sys/socket.h>
-#include <sys/syscall.h>
 #include <sys/wait.h>
-#include <system_error>
 #include <tuple>
 #include <unistd.h>
 #include <vector>
@@ -35,8 +25,6 @@
 #include <gtest/gtest.h>
 
 #include "test_support.hpp"
-
-extern char** environ;  // NOLINT: POSIX
 
 namespace {
 
@@ -48,183 +36,9 @@ using ::testing::HasSubstr;
 // get near it.
 constexpr auto CHILD_TIMEOUT = 60s;
 
-[[noreturn]] void throw_errno(std::string_view what) {
-  throw std::system_error(errno, std::generic_category(), std::string{what});
-}
-
-// A child process with its stdout and stderr on pipes. The destructor kills and reaps a
-// child that is still running.
-class Child {
- public:
-  explicit Child(std::vector<std::string> args) : m_args{std::move(args)} {
-    std::array<int, 2> out{-1, -1};
-    std::array<int, 2> err{-1, -1};
-    if (::pipe2(out.data(), O_CLOEXEC) != 0) throw_errno("pipe2");
-    if (::pipe2(err.data(), O_CLOEXEC) != 0) {
-      close_all(out);
-      throw_errno("pipe2");
-    }
-    posix_spawn_file_actions_t actions{};
-    posix_spawn_file_actions_init(&actions);
-    posix_spawn_file_actions_addopen(&actions, 0, "/dev/null", O_RDONLY, 0);
-    posix_spawn_file_actions_adddup2(&actions, out[1], 1);  // dup2 clears O_CLOEXEC
-    posix_spawn_file_actions_adddup2(&actions, err[1], 2);
-    std::vector<char*> argv;
-    argv.reserve(m_args.size() + 1);
-    for (auto& arg : m_args) argv.push_back(arg.data());
-    argv.push_back(nullptr);
-    const int rc = ::posix_spawn(&m_pid, argv[0], &actions, nullptr, argv.data(), environ);
-    posix_spawn_file_actions_destroy(&actions);
-    ::close(out[1]);
-    ::close(err[1]);
-    if (rc != 0) {
-      ::close(out[0]);
-      ::close(err[0]);
-      throw std::system_error(rc, std::generic_category(), "posix_spawn " + m_args[0]);
-    }
-    m_out.fd = out[0];
-    m_err.fd = err[0];
-    // A pidfd becomes readable when the child exits, so poll() can wait for the exit too.
-    m_pidfd = static_cast<int>(::syscall(SYS_pidfd_open, m_pid, 0));
-    if (m_pidfd < 0) {
-      kill_and_reap();
-      throw_errno("pidfd_open");
-    }
-  }
-
-  Child(const Child&) = delete;
-  Child& operator=(const Child&) = delete;
-  Child(Child&&) = delete;
-  Child& operator=(Child&&) = delete;
-
-  ~Child() {
-    kill_and_reap();
-    for (const int fd : {m_out.fd, m_err.fd, m_pidfd}) {
-      if (fd >= 0) ::close(fd);
-    }
-  }
-
-  // Reads output until pred(stdout so far) holds; false if the child closed stdout or the
-  // deadline passed first.
-  bool read_until(const std::function<bool(const std::string&)>& pred, Clock::time_point deadline) {
-    while (!pred(m_out.text)) {
-      if (m_out.fd < 0 || Clock::now() >= deadline) return false;
-      pump(deadline);
-    }
-    return true;
-  }
-
-  // Reads all output and waits for the exit; kills the child at the deadline. Returns the
-  // exit status, or nullopt if the child was killed or died from a signal.
-  std::optional<int> wait(Clock::time_point deadline) {
-    while (m_out.fd >= 0 || m_err.fd >= 0 || !m_exited) {
-      if (Clock::now() >= deadline) {
-        m_timed_out = true;
-        kill_and_reap();
-        return std::nullopt;
-      }
-      pump(deadline);
-    }
-    if (WIFEXITED(m_status)) return WEXITSTATUS(m_status);
-    return std::nullopt;
-  }
-
-  std::optional<int> wait() { return wait(Clock::now() + CHILD_TIMEOUT); }
-
-  [[nodiscard]] const std::string& out() const { return m_out.text; }
-  [[nodiscard]] const std::string& err() const { return m_err.text; }
-  [[nodiscard]] pid_t pid() const { return m_pid; }
-
-  // For failure messages.
-  [[nodiscard]] std::string describe() const {
-    std::ostringstream s;
-    s << "command:";
-    for (const auto& arg : m_args) s << ' ' << arg;
-    s << "\nstatus: ";
-    if (m_timed_out) {
-      s << "killed after the deadline";
-    } else if (!m_exited) {
-      s << "running";
-    } else if (WIFEXITED(m_status)) {
-      s << "exit " << WEXITSTATUS(m_status);
-    } else if (WIFSIGNALED(m_status)) {
-      s << "signal " << WTERMSIG(m_status);
-    }
-    s << "\n--- stdout ---\n" << m_out.text << "--- stderr ---\n" << m_err.text << "---";
-    return s.str();
-  }
-
- private:
-  struct Stream {
-    int fd{-1};
-    std::string text;
-  };
-
-  static void close_all(std::array<int, 2>& fds) {
-    for (const int fd : fds) ::close(fd);
-  }
-
-  // One poll() round: reads what is there, notices EOF and the exit.
-  void pump(Clock::time_point deadline) {
-    std::array<pollfd, 3> fds{};
-    std::array<Stream*, 3> streams{};
-    nfds_t n = 0;
-    for (Stream* stream : {&m_out, &m_err}) {
-      if (stream->fd < 0) continue;
-      fds.at(n) = pollfd{.fd = stream->fd, .events = POLLIN, .revents = 0};
-      streams.at(n++) = stream;
-    }
-    if (!m_exited) fds.at(n++) = pollfd{.fd = m_pidfd, .events = POLLIN, .revents = 0};
-    const auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline - Clock::now());
-    const int timeout_ms = static_cast<int>(std::clamp<std::int64_t>(left.count(), 0, 60'000));
-    const int rc = ::poll(fds.data(), n, timeout_ms);
-    if (rc < 0) {
-      if (errno == EINTR) return;
-      throw_errno("poll");
-    }
-    for (nfds_t i = 0; i < n; ++i) {
-      if (fds.at(i).revents == 0) continue;
-      if (streams.at(i) == nullptr) {
-        reap(0);
-        continue;
-      }
-      Stream& stream = *streams.at(i);
-      std::array<char, 4096> buffer{};
-      const ssize_t got = ::read(stream.fd, buffer.data(), buffer.size());
-      if (got > 0) {
-        stream.text.append(buffer.data(), static_cast<std::size_t>(got));
-      } else if (got == 0 || (errno != EINTR && errno != EAGAIN)) {
-        ::close(stream.fd);
-        stream.fd = -1;
-      }
-    }
-  }
-
-  void reap(int options) {
-    if (m_exited) return;
-    int status = 0;
-    const pid_t rc = ::waitpid(m_pid, &status, options);
-    if (rc == m_pid) {
-      m_exited = true;
-      m_status = status;
-    }
-  }
-
-  void kill_and_reap() {
-    if (m_exited || m_pid <= 0) return;
-    ::kill(m_pid, SIGKILL);
-    reap(0);  // SIGKILL cannot be ignored: this returns at once
-  }
-
-  std::vector<std::string> m_args;
-  pid_t m_pid{-1};
-  int m_pidfd{-1};
-  Stream m_out;
-  Stream m_err;
-  bool m_exited{false};
-  bool m_timed_out{false};
-  int m_status{0};
-};
+// A child process with its stdout and stderr on pipes; killed and reaped at the latest when
+// it goes out of scope.
+using Child = netio3::test::ChildProcess;
 
 std::vector<std::string> lines_of(const std::string& text) {
   std::vector<std::string> lines;

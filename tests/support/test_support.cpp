@@ -199,3 +199,209 @@ bool matches_pattern(std::span<const std::uint8_t> bytes, std::uint64_t index) {
 }
 
 }  // namespace netio3::test
+
+// ---- Child processes ---------------------------------------------------------------------
+
+#include <algorithm>
+#include <array>
+#include <csignal>
+#include <fcntl.h>
+#include <spawn.h>
+#include <sstream>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+
+extern char** environ;  // NOLINT: POSIX
+
+namespace netio3::test {
+
+namespace {
+
+[[noreturn]] void throw_errno(const std::string& what) {
+  throw std::system_error(errno, std::generic_category(), what);
+}
+
+}  // namespace
+
+ChildProcess::ChildProcess(std::vector<std::string> args) : m_args{std::move(args)} {
+  if (m_args.empty()) throw std::invalid_argument("ChildProcess: no program");
+  std::array<int, 2> out{-1, -1};
+  std::array<int, 2> err{-1, -1};
+  if (::pipe2(out.data(), O_CLOEXEC) != 0) throw_errno("pipe2");
+  if (::pipe2(err.data(), O_CLOEXEC) != 0) {
+    const int saved = errno;
+    ::close(out[0]);
+    ::close(out[1]);
+    errno = saved;
+    throw_errno("pipe2");
+  }
+  posix_spawn_file_actions_t actions{};
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_addopen(&actions, 0, "/dev/null", O_RDONLY, 0);
+  posix_spawn_file_actions_adddup2(&actions, out[1], 1);  // dup2 clears O_CLOEXEC
+  posix_spawn_file_actions_adddup2(&actions, err[1], 2);
+  std::vector<char*> argv;
+  argv.reserve(m_args.size() + 1);
+  for (auto& arg : m_args) argv.push_back(arg.data());
+  argv.push_back(nullptr);
+  const int rc = ::posix_spawnp(&m_pid, argv[0], &actions, nullptr, argv.data(), environ);
+  posix_spawn_file_actions_destroy(&actions);
+  ::close(out[1]);
+  ::close(err[1]);
+  if (rc != 0) {
+    ::close(out[0]);
+    ::close(err[0]);
+    throw std::system_error(rc, std::generic_category(), "posix_spawn " + m_args[0]);
+  }
+  m_out.fd = out[0];
+  m_err.fd = err[0];
+  // A pidfd becomes readable when the child exits, so poll() can wait for the exit too.
+  m_pidfd = static_cast<int>(::syscall(SYS_pidfd_open, m_pid, 0));
+  if (m_pidfd < 0) {
+    const int saved = errno;
+    kill_and_reap();
+    ::close(m_out.fd);
+    ::close(m_err.fd);
+    errno = saved;
+    throw_errno("pidfd_open");
+  }
+}
+
+ChildProcess::~ChildProcess() {
+  kill_and_reap();
+  for (const int fd : {m_out.fd, m_err.fd, m_pidfd}) {
+    if (fd >= 0) ::close(fd);
+  }
+}
+
+bool ChildProcess::read_until(const std::function<bool(const std::string&)>& pred,
+                              Clock::time_point deadline) {
+  ChildProcess* self = this;
+  return read_until(
+      std::span<ChildProcess* const>{&self, 1}, [&] { return pred(m_out.text); }, deadline);
+}
+
+bool ChildProcess::read_until(std::span<ChildProcess* const> children,
+                              const std::function<bool()>& pred, Clock::time_point deadline) {
+  while (!pred()) {
+    const bool any_open = std::any_of(children.begin(), children.end(),
+                                      [](const ChildProcess* c) { return c->m_out.fd >= 0; });
+    if (!any_open || Clock::now() >= deadline) return false;
+    pump(children, deadline);
+  }
+  return true;
+}
+
+std::optional<int> ChildProcess::wait(Clock::time_point deadline) {
+  ChildProcess* self = this;
+  while (m_out.fd >= 0 || m_err.fd >= 0 || !m_exited) {
+    if (Clock::now() >= deadline) {
+      m_timed_out = true;
+      kill_and_reap();
+      return std::nullopt;
+    }
+    pump(std::span<ChildProcess* const>{&self, 1}, deadline);
+  }
+  if (WIFEXITED(m_status)) return WEXITSTATUS(m_status);
+  return std::nullopt;
+}
+
+void ChildProcess::signal(int signo) const {
+  if (!m_exited && m_pid > 0) ::kill(m_pid, signo);
+}
+
+bool ChildProcess::stop() {
+  if (m_exited) return false;
+  ::kill(m_pid, SIGSTOP);
+  // WNOWAIT: only look; an exit stays to be reaped by reap(). SIGSTOP cannot be caught, so
+  // this returns as soon as the kernel has stopped (or buried) the child.
+  siginfo_t info{};
+  while (::waitid(P_PID, static_cast<id_t>(m_pid), &info, WSTOPPED | WEXITED | WNOWAIT) != 0) {
+    if (errno != EINTR) throw_errno("waitid");
+  }
+  return info.si_code == CLD_STOPPED;
+}
+
+std::optional<int> ChildProcess::term_signal() const {
+  if (m_exited && WIFSIGNALED(m_status)) return WTERMSIG(m_status);
+  return std::nullopt;
+}
+
+std::string ChildProcess::describe() const {
+  std::ostringstream s;
+  s << "command:";
+  for (const auto& arg : m_args) s << ' ' << arg;
+  s << "\nstatus: ";
+  if (m_timed_out) {
+    s << "killed after the deadline";
+  } else if (!m_exited) {
+    s << "running";
+  } else if (WIFEXITED(m_status)) {
+    s << "exit " << WEXITSTATUS(m_status);
+  } else if (WIFSIGNALED(m_status)) {
+    s << "signal " << WTERMSIG(m_status);
+  }
+  s << "\n--- stdout ---\n" << m_out.text << "--- stderr ---\n" << m_err.text << "---";
+  return s.str();
+}
+
+void ChildProcess::add_to(std::vector<pollfd>& fds,
+                          std::vector<std::pair<ChildProcess*, int>>& owners) {
+  for (const int fd : {m_out.fd, m_err.fd, m_exited ? -1 : m_pidfd}) {
+    if (fd < 0) continue;
+    fds.push_back(pollfd{.fd = fd, .events = POLLIN, .revents = 0});
+    owners.emplace_back(this, fd);
+  }
+}
+
+void ChildProcess::handle(int fd) {
+  if (fd == m_pidfd) {
+    reap(0);  // readable pidfd: the child has exited, waitpid does not block
+    return;
+  }
+  Stream& stream = fd == m_out.fd ? m_out : m_err;
+  std::array<char, 4096> buffer{};
+  const ssize_t got = ::read(stream.fd, buffer.data(), buffer.size());
+  if (got > 0) {
+    stream.text.append(buffer.data(), static_cast<std::size_t>(got));
+  } else if (got == 0 || (errno != EINTR && errno != EAGAIN)) {
+    ::close(stream.fd);
+    stream.fd = -1;
+  }
+}
+
+// One poll() round over all children: reads what is there, notices EOF and exits.
+void ChildProcess::pump(std::span<ChildProcess* const> children, Clock::time_point deadline) {
+  std::vector<pollfd> fds;
+  std::vector<std::pair<ChildProcess*, int>> owners;
+  for (ChildProcess* child : children) child->add_to(fds, owners);
+  if (fds.empty()) return;
+  const auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline - Clock::now());
+  const int timeout_ms = static_cast<int>(std::clamp<std::int64_t>(left.count(), 0, 60'000));
+  const int rc = ::poll(fds.data(), fds.size(), timeout_ms);
+  if (rc < 0) {
+    if (errno == EINTR) return;
+    throw_errno("poll");
+  }
+  for (std::size_t i = 0; i < fds.size(); ++i) {
+    if (fds[i].revents != 0) owners[i].first->handle(owners[i].second);
+  }
+}
+
+void ChildProcess::reap(int options) {
+  if (m_exited) return;
+  int status = 0;
+  const pid_t rc = ::waitpid(m_pid, &status, options);
+  if (rc == m_pid) {
+    m_exited = true;
+    m_status = status;
+  }
+}
+
+void ChildProcess::kill_and_reap() {
+  if (m_exited || m_pid <= 0) return;
+  ::kill(m_pid, SIGKILL);
+  reap(0);  // SIGKILL cannot be ignored, also not by a stopped child: this returns at once
+}
+
+}  // namespace netio3::test

@@ -132,3 +132,88 @@ class Recorder {
 [[nodiscard]] bool matches_pattern(std::span<const std::uint8_t> bytes, std::uint64_t index);
 
 }  // namespace netio3::test
+
+// ---- Child processes ---------------------------------------------------------------------
+
+#include <optional>
+#include <poll.h>
+#include <span>
+#include <sys/types.h>
+#include <utility>
+
+namespace netio3::test {
+
+// A child process (posix_spawnp, the caller's environment) with stdin on /dev/null and its
+// stdout and stderr on pipes, read with poll() and a deadline. The destructor kills
+// (SIGKILL, which also ends a stopped child) and reaps a child that is still running, so no
+// child outlives its test.
+class ChildProcess {
+ public:
+  using Clock = std::chrono::steady_clock;
+  // Generous: a sanitizer build on a loaded two-core machine is slow. Passing tests never
+  // get near it.
+  static constexpr std::chrono::seconds DEFAULT_CHILD_TIMEOUT{60};
+
+  // args[0] is the program: a path, or a name looked up in PATH. Throws std::system_error if
+  // it cannot be started.
+  explicit ChildProcess(std::vector<std::string> args);
+  ~ChildProcess();
+  ChildProcess(const ChildProcess&) = delete;
+  ChildProcess& operator=(const ChildProcess&) = delete;
+  ChildProcess(ChildProcess&&) = delete;
+  ChildProcess& operator=(ChildProcess&&) = delete;
+
+  // Reads output until pred(stdout so far) holds; false if the child closed stdout or the
+  // deadline passed first.
+  bool read_until(const std::function<bool(const std::string&)>& pred, Clock::time_point deadline);
+
+  // Reads the output of several children at once until pred() holds (it may look at their
+  // out()); false when the deadline passed or all of them closed their output first.
+  static bool read_until(std::span<ChildProcess* const> children, const std::function<bool()>& pred,
+                         Clock::time_point deadline);
+
+  // Reads all output and waits for the exit; kills the child at the deadline. Returns the
+  // exit status, or nullopt if the child was killed or died from a signal.
+  std::optional<int> wait(Clock::time_point deadline);
+  std::optional<int> wait() { return wait(Clock::now() + DEFAULT_CHILD_TIMEOUT); }
+
+  // Sends a signal (nothing once the child was reaped).
+  void signal(int signo) const;
+  // SIGSTOP, and returns once the kernel reports the child stopped (true) or exited (false).
+  bool stop();
+
+  [[nodiscard]] const std::string& out() const { return m_out.text; }
+  [[nodiscard]] const std::string& err() const { return m_err.text; }
+  [[nodiscard]] pid_t pid() const { return m_pid; }
+  [[nodiscard]] bool exited() const { return m_exited; }
+  // The signal that ended the child, if one did.
+  [[nodiscard]] std::optional<int> term_signal() const;
+
+  // Command, status and all output, for failure messages.
+  [[nodiscard]] std::string describe() const;
+
+ private:
+  struct Stream {
+    int fd{-1};
+    std::string text;
+  };
+
+  // Adds this child's open fds (and its pidfd while it runs) to a poll set.
+  void add_to(std::vector<pollfd>& fds, std::vector<std::pair<ChildProcess*, int>>& owners);
+  // Handles the readiness of one of its fds.
+  void handle(int fd);
+  static void pump(std::span<ChildProcess* const> children, Clock::time_point deadline);
+  void reap(int options);
+  void kill_and_reap();
+
+  std::vector<std::string> m_args;
+  pid_t m_pid{-1};
+  int m_pidfd{-1};
+  Stream m_out;
+  Stream m_err;
+  bool m_exited{false};
+  bool m_timed_out{false};
+  int m_status{0};
+};
+
+}  // namespace netio3::test

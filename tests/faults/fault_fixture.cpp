@@ -1,0 +1,187 @@
+#include "fault_fixture.hpp"
+
+#include <charconv>
+#include <cstdlib>
+#include <iostream>
+#include <sstream>
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+namespace netio3::faults {
+
+std::vector<BackendType> backends() {
+  return Netio3Backend::available();
+}
+
+std::string name_of(BackendType type) {
+  return std::string{netio3::to_string(type)};
+}
+
+ProviderEnvironment::ProviderEnvironment(BackendType type) {
+  if (type != BackendType::LIBFABRIC) return;
+  if (const char* old = std::getenv("FI_PROVIDER"); old != nullptr) m_saved = old;
+  ::setenv("FI_PROVIDER", "tcp", 1);
+  m_set = true;
+}
+
+ProviderEnvironment::~ProviderEnvironment() {
+  if (!m_set) return;
+  if (m_saved) {
+    ::setenv("FI_PROVIDER", m_saved->c_str(), 1);
+  } else {
+    ::unsetenv("FI_PROVIDER");
+  }
+}
+
+Side::Side(BackendType type, std::size_t message_size,
+           const std::function<void(NetworkConfig&)>& tweak)
+    : observer{message_size} {
+  auto config = observer.config(NetworkMode::TCP);
+  if (tweak) tweak(config);
+  backend = Netio3Backend::create(type, std::move(config), loop.loop());
+}
+
+Side::~Side() {
+  backend.reset();
+}
+
+std::optional<Clock::time_point> Side::wait_closed(const EndPointAddress& remote,
+                                                   Clock::time_point deadline) {
+  std::optional<Clock::time_point> at;
+  observer.wait(
+      [&](const Observer& o) {
+        const ConnectionState* conn = o.connection(remote);
+        if (conn != nullptr && conn->closed) at = conn->closed_at;
+        return at.has_value();
+      },
+      deadline);
+  return at;
+}
+
+std::vector<std::string> peer_command(const PeerOptions& o, const std::string& netns) {
+  std::vector<std::string> argv;
+  if (!netns.empty()) argv = {"ip", "netns", "exec", netns};
+  if (!o.environment.empty()) {
+    argv.emplace_back("env");
+    argv.insert(argv.end(), o.environment.begin(), o.environment.end());
+  }
+  const std::vector<std::string> rest{
+      NETIO3_FAULT_PEER,
+      "--backend",
+      name_of(o.backend),
+      "--role",
+      o.send ? "send" : "recv",
+      o.listen ? "--listen" : "--connect",
+      o.listen ? *o.listen : fmt::format("{}:{}", o.connect->address, o.connect->port),
+      "--messages",
+      std::to_string(o.messages),
+      "--size",
+      std::to_string(o.size),
+      "--mode",
+      std::string{to_string(o.mode)},
+      "--stream",
+      std::to_string(o.stream),
+      "--progress",
+      std::to_string(o.progress),
+      "--timeout",
+      std::to_string(o.timeout.count())};
+  argv.insert(argv.end(), rest.begin(), rest.end());
+  return argv;
+}
+
+namespace {
+
+std::vector<std::string_view> complete_lines(std::string_view text) {
+  std::vector<std::string_view> lines;
+  std::size_t start = 0;
+  for (std::size_t nl = text.find('\n'); nl != std::string_view::npos;
+       nl = text.find('\n', start)) {
+    lines.push_back(text.substr(start, nl - start));
+    start = nl + 1;
+  }
+  return lines;
+}
+
+std::optional<std::int64_t> to_number(std::string_view text) {
+  std::int64_t value = 0;
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
+  if (ec != std::errc{} || end == text.data()) return std::nullopt;
+  return value;
+}
+
+}  // namespace
+
+std::optional<std::uint64_t> last_number(const std::string& text, std::string_view prefix) {
+  std::optional<std::uint64_t> found;
+  for (const auto line : complete_lines(text)) {
+    if (!line.starts_with(prefix)) continue;
+    if (const auto n = to_number(line.substr(prefix.size())); n && *n >= 0) {
+      found = static_cast<std::uint64_t>(*n);
+    }
+  }
+  return found;
+}
+
+std::optional<std::string> line_starting(const std::string& text, std::string_view prefix) {
+  for (const auto line : complete_lines(text)) {
+    if (line.starts_with(prefix)) return std::string{line};
+  }
+  return std::nullopt;
+}
+
+std::optional<std::int64_t> field(std::string_view line, std::string_view key) {
+  const std::string needle = fmt::format(" {}=", key);
+  const auto at = line.find(needle);
+  if (at == std::string_view::npos) return std::nullopt;
+  return to_number(line.substr(at + needle.size()));
+}
+
+std::optional<EndPointAddress> connect_peer(Side& side, std::unique_ptr<ChildProcess>& peer,
+                                            PeerOptions options, const ConnectionParameters& params,
+                                            const std::optional<EndPointAddress>& listen) {
+  const auto deadline = Clock::now() + WAIT;
+  const std::size_t before = side.observer.established_count_now();
+  if (options.listen) {
+    peer = std::make_unique<ChildProcess>(peer_command(options));
+    std::optional<std::uint64_t> port;
+    peer->read_until(
+        [&](const std::string& out) {
+          port = last_number(out, "PORT ");
+          return port.has_value();
+        },
+        deadline);
+    if (!port) {
+      ADD_FAILURE() << "the peer did not say its port\n" << peer->describe();
+      return std::nullopt;
+    }
+    const EndPointAddress remote{*options.listen, static_cast<std::uint16_t>(*port)};
+    side.backend->open_active_endpoint(remote, params);
+    const bool decided = side.observer.wait(
+        [&](const Observer& o) { return o.connection(remote) != nullptr || o.refused_count() > 0; },
+        deadline);
+    if (!decided || side.observer.connection_copy(remote) == std::nullopt) {
+      ADD_FAILURE() << "no connection to the peer at " << remote << "\n" << peer->describe();
+      return std::nullopt;
+    }
+    return remote;
+  }
+  options.connect = *listen;
+  peer = std::make_unique<ChildProcess>(peer_command(options));
+  if (!side.observer.wait([&](const Observer& o) { return o.established_count() > before; },
+                          deadline)) {
+    ADD_FAILURE() << "the peer did not connect to " << *listen << "\n" << peer->describe();
+    return std::nullopt;
+  }
+  return side.observer.remote(before);
+}
+
+void report_measurement(const std::string& name, double value, const std::string& unit) {
+  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+  const std::string test =
+      info == nullptr ? "" : fmt::format("{}.{}", info->test_suite_name(), info->name());
+  std::cout << fmt::format("MEASURED {} {} {:.1f} {}\n", test, name, value, unit) << std::flush;
+  ::testing::Test::RecordProperty(name, fmt::format("{:.1f} {}", value, unit));
+}
+
+}  // namespace netio3::faults

@@ -1,0 +1,110 @@
+#pragma once
+
+// What the fault tests share: the test process's side of a connection, the command line of
+// the peer program, and reading its output.
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <netio3/netio3.hpp>
+
+#include "fault_stream.hpp"
+#include "test_support.hpp"
+
+namespace netio3::faults {
+
+using namespace std::chrono_literals;
+using test::ChildProcess;
+
+// Every wait of a passing test ends long before this; only a broken one waits it out.
+inline constexpr auto WAIT = std::chrono::duration_cast<Clock::duration>(test::DEFAULT_TIMEOUT);
+
+// Every backend compiled in, and its name for test names and the peer's command line.
+[[nodiscard]] std::vector<BackendType> backends();
+[[nodiscard]] std::string name_of(BackendType type);
+
+// libfabric runs over its tcp provider here (NetworkMode::TCP selects it; FI_PROVIDER=tcp
+// makes the choice explicit for this process and for every child, which inherit the
+// environment, also through `ip netns exec`). Restores the previous value.
+class ProviderEnvironment {
+ public:
+  explicit ProviderEnvironment(BackendType type);
+  ~ProviderEnvironment();
+  ProviderEnvironment(const ProviderEnvironment&) = delete;
+  ProviderEnvironment& operator=(const ProviderEnvironment&) = delete;
+  ProviderEnvironment(ProviderEnvironment&&) = delete;
+  ProviderEnvironment& operator=(ProviderEnvironment&&) = delete;
+
+ private:
+  bool m_set{false};
+  std::optional<std::string> m_saved;
+};
+
+// The test process's end: an observer, a loop on its own thread, a backend (destroyed
+// first).
+class Side {
+ public:
+  Side(BackendType type, std::size_t message_size,
+       const std::function<void(NetworkConfig&)>& tweak = {});
+  ~Side();
+  Side(const Side&) = delete;
+  Side& operator=(const Side&) = delete;
+  Side(Side&&) = delete;
+  Side& operator=(Side&&) = delete;
+
+  // Waits for the closed callback of `remote`; its time, or nullopt at the deadline.
+  [[nodiscard]] std::optional<Clock::time_point> wait_closed(const EndPointAddress& remote,
+                                                             Clock::time_point deadline);
+
+  Observer observer;
+  test::LoopThread loop;
+  std::unique_ptr<NetworkBackend> backend;
+};
+
+struct PeerOptions {
+  BackendType backend{BackendType::ASYNCMSG};
+  bool send{false};
+  std::optional<std::string> listen;       // IP to listen on (port 0)
+  std::optional<EndPointAddress> connect;  // or the address to connect to
+  std::uint64_t messages{0};               // 0: until the connection closes
+  std::size_t size{4096};
+  SendMode mode{SendMode::ZERO_COPY};
+  std::uint64_t stream{1};
+  std::uint64_t progress{0};
+  std::chrono::seconds timeout{60};
+  std::vector<std::string> environment;  // NAME=value, added to the inherited environment
+};
+
+// argv of netio3_fault_peer, optionally run inside a network namespace (`ip netns exec`,
+// which keeps the environment).
+[[nodiscard]] std::vector<std::string> peer_command(const PeerOptions& options,
+                                                    const std::string& netns = {});
+
+// Reading the peer's output (see fault_peer.cpp for its lines).
+// The number after the last line that starts with `prefix` (e.g. "RECEIVED "), if the line
+// is complete.
+[[nodiscard]] std::optional<std::uint64_t> last_number(const std::string& text,
+                                                       std::string_view prefix);
+// The complete line that starts with `prefix`, if there is one.
+[[nodiscard]] std::optional<std::string> line_starting(const std::string& text,
+                                                       std::string_view prefix);
+// The value of `key=` in a line.
+[[nodiscard]] std::optional<std::int64_t> field(std::string_view line, std::string_view key);
+
+// Starts a peer and makes the connection with `side`: the peer listens and `side` connects
+// (options.listen set), or `side` listens at `listen` and the peer connects. Returns how
+// `side` addresses the connection (nullopt after an ADD_FAILURE explaining why).
+[[nodiscard]] std::optional<EndPointAddress> connect_peer(
+    Side& side, std::unique_ptr<ChildProcess>& peer, PeerOptions options,
+    const ConnectionParameters& params, const std::optional<EndPointAddress>& listen);
+
+// Prints a measurement as one machine-readable line and records it as a test property.
+void report_measurement(const std::string& name, double value, const std::string& unit);
+
+}  // namespace netio3::faults

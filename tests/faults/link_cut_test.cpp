@@ -1,0 +1,299 @@
+// A link cut between two hosts: two network namespaces joined by a veth pair, a receiving
+// peer in one (A, listening), a sending peer in the other (B, connecting), both
+// netio3_fault_peer processes; this process only orchestrates. Once data flows, the veth end
+// in A is set down: A's host lost its link, B's side of the cable goes dark (no carrier).
+//
+// What a backend notices, and when, depends on TCP (all three backends run over TCP here).
+// Measured on this machine (debug build, kernel and UCX defaults):
+//
+//   backend    sender, data outstanding          idle receiver
+//   asyncmsg   926 s (kernel: tcp_retries2 = 15)  not within 1100 s
+//   libfabric  938 s (kernel: tcp_retries2 = 15)  not within 1100 s
+//   ucx        not within 120 s                   18.3 s (UCX's TCP keepalive, 10 s idle + probes)
+//
+// * The sender has data outstanding, so its kernel retransmits and aborts the connection
+//   after net.ipv4.tcp_retries2 retransmissions (default 15: about 15 minutes). No backend
+//   has a shorter timeout of its own for a sender (no TCP_USER_TIMEOUT; UCX's keepalive does
+//   not end a connection whose send queue is stuck). To keep the test short the namespaces
+//   use tcp_retries2 = 3 (0.2 s * (2^4 - 1) = 3 s; measured 3.1-4.8 s): what the test checks
+//   is that the backend turns the kernel's abort into on_connection_closed_cb, with every
+//   accepted send reported exactly once.
+// * An idle receiver sends nothing, so only a keepalive can tell it that the peer is gone.
+//   UCX sets TCP keepalive on its sockets (UCX_TCP_KEEPIDLE, _KEEPINTVL, _KEEPCNT); the test
+//   shortens it through the environment of the peers (1 s, 1 s, 2 probes: measured ~3.2 s).
+//   Neither asyncmsg (netio3 sets no SO_KEEPALIVE) nor libfabric's tcp provider uses a
+//   keepalive: an idle receiver never learns that the link is gone, so that test is skipped
+//   for them.
+//
+// Both peers print when their closed callback ran (CLOCK_MONOTONIC, shared with this
+// process), so the detection times are measured, printed and bounded. Every wait has a
+// deadline; the namespaces are deleted even when a test fails.
+
+#include <atomic>
+#include <iostream>
+#include <memory>
+#include <optional>
+#include <string>
+#include <unistd.h>
+#include <vector>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <gtest/gtest.h>
+
+#include "fault_fixture.hpp"
+
+namespace netio3::faults {
+namespace {
+
+constexpr int TCP_RETRIES2 = 3;
+// The kernel gives up after ~3 s (more when the RTO is above its 200 ms minimum); generous
+// for a loaded machine.
+constexpr auto SENDER_BOUND = 30s;
+// UCX keepalive in the children: 1 s idle, then 2 probes 1 s apart.
+const std::vector<std::string> UCX_KEEPALIVE{"UCX_TCP_KEEPIDLE=1s", "UCX_TCP_KEEPINTVL=1s",
+                                             "UCX_TCP_KEEPCNT=2"};
+constexpr auto RECEIVER_BOUND = 30s;
+constexpr std::uint64_t FLOWING = 2000;  // messages A must have before the cut
+constexpr std::size_t SIZE = 4096;
+
+// Runs a command to its end; "" on success, else what went wrong.
+std::string run_command(const std::vector<std::string>& argv) {
+  try {
+    ChildProcess child{argv};
+    if (child.wait(Clock::now() + WAIT) == 0) return {};
+    return fmt::format("`{}` failed\n{}", fmt::join(argv, " "), child.describe());
+  } catch (const std::exception& e) {
+    return fmt::format("`{}`: {}", fmt::join(argv, " "), e.what());
+  }
+}
+
+// Waits until an interface of a namespace is operationally up (by asking `ip`, until a
+// deadline); "" when it is, else why not.
+std::string wait_running(const std::string& ns, const std::string& dev) {
+  const auto deadline = Clock::now() + WAIT;
+  const std::vector<std::string> argv{"ip", "-n", ns, "-o", "link", "show", "dev", dev};
+  while (Clock::now() < deadline) {
+    ChildProcess ip{argv};
+    if (ip.wait(deadline) != 0) {
+      return fmt::format("`{}` failed\n{}", fmt::join(argv, " "), ip.describe());
+    }
+    if (ip.out().find(" state UP ") != std::string::npos) return {};
+  }
+  return fmt::format("{} in {} did not come up within {} s", dev, ns,
+                     test::DEFAULT_TIMEOUT.count() / 1000);
+}
+
+// Two network namespaces joined by a veth pair with 10.x.y.1/24 (A) and 10.x.y.2/24 (B),
+// named after this process (x.y from its pid). Deleted on destruction, also when a test
+// fails (the veth goes with them).
+class NamespacePair {
+ public:
+  NamespacePair() {
+    if (::geteuid() != 0) {
+      m_why = "network namespaces need root";
+      return;
+    }
+    static std::atomic<int> counter{0};
+    const int pid = ::getpid();
+    const int n = counter++;
+    ns_a = fmt::format("n3a-{}-{}", pid, n);
+    ns_b = fmt::format("n3b-{}-{}", pid, n);
+    veth_a = fmt::format("n3va{}k{}", pid, n);
+    veth_b = fmt::format("n3vb{}k{}", pid, n);
+    const int x = (pid >> 8) & 0xff;
+    const int y = pid & 0xff;
+    ip_a = fmt::format("10.{}.{}.1", x, y);
+    ip_b = fmt::format("10.{}.{}.2", x, y);
+    const std::string retries = fmt::format("net.ipv4.tcp_retries2={}", TCP_RETRIES2);
+    m_why = run_command({"ip", "netns", "add", ns_a});
+    if (!m_why.empty()) return;
+    m_created_a = true;
+    m_why = run_command({"ip", "netns", "add", ns_b});
+    if (!m_why.empty()) return;
+    m_created_b = true;
+    for (const auto& argv : std::vector<std::vector<std::string>>{
+             {"ip", "-n", ns_a, "link", "add", veth_a, "type", "veth", "peer", "name", veth_b,
+              "netns", ns_b},
+             {"ip", "-n", ns_a, "addr", "add", ip_a + "/24", "dev", veth_a},
+             {"ip", "-n", ns_b, "addr", "add", ip_b + "/24", "dev", veth_b},
+             {"ip", "-n", ns_a, "link", "set", "lo", "up"},
+             {"ip", "-n", ns_b, "link", "set", "lo", "up"},
+             {"ip", "-n", ns_a, "link", "set", veth_a, "up"},
+             {"ip", "-n", ns_b, "link", "set", veth_b, "up"},
+             {"ip", "netns", "exec", ns_a, "sysctl", "-qw", retries},
+             {"ip", "netns", "exec", ns_b, "sysctl", "-qw", retries}}) {
+      m_why = run_command(argv);
+      if (!m_why.empty()) return;
+    }
+    // The carrier is up at once, the operational state follows through the kernel's link
+    // watch a little later; UCX only uses interfaces that are running when it starts.
+    for (const auto& [ns, veth] : {std::pair{ns_a, veth_a}, std::pair{ns_b, veth_b}}) {
+      m_why = wait_running(ns, veth);
+      if (!m_why.empty()) return;
+    }
+  }
+
+  ~NamespacePair() {
+    for (const auto& [created, ns] : {std::pair{m_created_a, ns_a}, std::pair{m_created_b, ns_b}}) {
+      if (!created) continue;
+      const std::string error = run_command({"ip", "netns", "del", ns});
+      if (!error.empty()) ADD_FAILURE() << "namespace left behind: " << error;
+    }
+  }
+
+  NamespacePair(const NamespacePair&) = delete;
+  NamespacePair& operator=(const NamespacePair&) = delete;
+  NamespacePair(NamespacePair&&) = delete;
+  NamespacePair& operator=(NamespacePair&&) = delete;
+
+  // Why the namespaces could not be set up; empty when they were.
+  [[nodiscard]] const std::string& why() const { return m_why; }
+
+  // A loses its link (and B its carrier).
+  [[nodiscard]] std::string cut() const {
+    return run_command({"ip", "-n", ns_a, "link", "set", veth_a, "down"});
+  }
+
+  std::string ns_a, ns_b, veth_a, veth_b, ip_a, ip_b;
+
+ private:
+  std::string m_why;
+  bool m_created_a{false};
+  bool m_created_b{false};
+};
+
+class LinkCut : public ::testing::TestWithParam<BackendType> {
+ protected:
+  [[nodiscard]] BackendType type() const { return GetParam(); }
+
+  // Makes the namespaces; the reason when that is not possible here.
+  [[nodiscard]] std::string make_namespaces() {
+    net.emplace();
+    return net->why();
+  }
+
+  // Starts both peers, lets data flow and cuts the link. False (with a failure recorded)
+  // when that did not work.
+  bool stream_and_cut() {
+    PeerOptions a;
+    a.backend = type();
+    a.listen = net->ip_a;
+    a.size = SIZE;
+    a.progress = 500;
+    a.timeout = 120s;
+    if (type() == BackendType::UCX) a.environment = UCX_KEEPALIVE;
+    receiver = std::make_unique<ChildProcess>(peer_command(a, net->ns_a));
+    std::optional<std::uint64_t> port;
+    receiver->read_until(
+        [&](const std::string& out) {
+          port = last_number(out, "PORT ");
+          return port.has_value();
+        },
+        Clock::now() + WAIT);
+    if (!port) {
+      ADD_FAILURE() << "the receiver did not say its port\n" << receiver->describe();
+      return false;
+    }
+    PeerOptions b = a;
+    b.listen.reset();
+    b.connect = EndPointAddress{net->ip_a, static_cast<std::uint16_t>(*port)};
+    b.send = true;
+    b.mode = SendMode::ZERO_COPY;
+    b.progress = 0;
+    sender = std::make_unique<ChildProcess>(peer_command(b, net->ns_b));
+    const std::array<ChildProcess*, 2> both{receiver.get(), sender.get()};
+    if (!ChildProcess::read_until(
+            both, [&] { return last_number(receiver->out(), "RECEIVED ").value_or(0) >= FLOWING; },
+            Clock::now() + WAIT)) {
+      ADD_FAILURE() << "no data flowed\n" << receiver->describe() << "\n" << sender->describe();
+      return false;
+    }
+    cut_at = Clock::now();
+    if (const std::string error = net->cut(); !error.empty()) {
+      ADD_FAILURE() << "could not cut the link: " << error;
+      return false;
+    }
+    return true;
+  }
+
+  // Milliseconds from the cut to the peer's closed callback, once it printed it.
+  [[nodiscard]] std::optional<double> closed_after_ms(const ChildProcess& peer) const {
+    const auto line = line_starting(peer.out(), "CLOSED ");
+    if (!line) return std::nullopt;
+    const auto at_us = field(*line, "at_us");
+    if (!at_us) return std::nullopt;
+    return static_cast<double>(*at_us - monotonic_us(cut_at)) / 1000.0;
+  }
+
+  ProviderEnvironment env{type()};
+  std::optional<NamespacePair> net;  // outlives the peers
+  std::unique_ptr<ChildProcess> receiver;
+  std::unique_ptr<ChildProcess> sender;
+  Clock::time_point cut_at{};
+};
+
+TEST_P(LinkCut, SenderWithDataOutstandingReportsTheClose) {
+  if (const auto why = make_namespaces(); !why.empty()) {
+    GTEST_SKIP() << "cannot make network namespaces: " << why;
+  }
+  if (!stream_and_cut()) return;
+  const std::array<ChildProcess*, 2> both{receiver.get(), sender.get()};
+  const bool closed = ChildProcess::read_until(
+      both, [&] { return line_starting(sender->out(), "END ").has_value(); },
+      cut_at + SENDER_BOUND);
+  ASSERT_TRUE(closed) << "the sender did not report the close within " << SENDER_BOUND.count()
+                      << " s of the cut\n"
+                      << sender->describe();
+  const auto after = closed_after_ms(*sender);
+  ASSERT_TRUE(after.has_value()) << sender->describe();
+  report_measurement("sender_closed_after_cut", *after, "ms");
+  if (const auto receiver_after = closed_after_ms(*receiver)) {
+    report_measurement("receiver_closed_after_cut", *receiver_after, "ms");
+  } else {
+    std::cout << "the idle receiver has not noticed the cut (yet)\n";
+  }
+  // Every send that returned OK was reported once, the outstanding ones as cancelled.
+  EXPECT_EQ(sender->wait(), 0) << sender->describe();
+  const auto ledger = line_starting(sender->out(), "LEDGER ");
+  ASSERT_TRUE(ledger.has_value()) << sender->describe();
+  EXPECT_EQ(field(*ledger, "violations"), 0) << *ledger;
+  EXPECT_EQ(field(*ledger, "unreported"), 0) << *ledger;
+  EXPECT_EQ(field(*ledger, "ok"), *field(*ledger, "completed") + *field(*ledger, "cancelled"))
+      << *ledger;
+  // What the receiver got so far is an in-order, intact prefix.
+  EXPECT_EQ(line_starting(receiver->out(), "BAD "), std::nullopt) << receiver->describe();
+}
+
+TEST_P(LinkCut, IdleReceiverReportsTheClose) {
+  if (type() != BackendType::UCX) {
+    GTEST_SKIP() << "no TCP keepalive on " << name_of(type())
+                 << " connections: a receiver that sends nothing never learns that the link is "
+                    "gone (measured: not within 1100 s; only a sender's retransmission timeout "
+                    "ends such a connection, see the top of this file)";
+  }
+  if (const auto why = make_namespaces(); !why.empty()) {
+    GTEST_SKIP() << "cannot make network namespaces: " << why;
+  }
+  if (!stream_and_cut()) return;
+  const std::array<ChildProcess*, 2> both{receiver.get(), sender.get()};
+  const bool closed = ChildProcess::read_until(
+      both, [&] { return line_starting(receiver->out(), "END ").has_value(); },
+      cut_at + RECEIVER_BOUND);
+  ASSERT_TRUE(closed) << "the receiver did not report the close within " << RECEIVER_BOUND.count()
+                      << " s of the cut\n"
+                      << receiver->describe();
+  const auto after = closed_after_ms(*receiver);
+  ASSERT_TRUE(after.has_value()) << receiver->describe();
+  report_measurement("receiver_closed_after_cut", *after, "ms");
+  EXPECT_EQ(receiver->wait(), 0) << receiver->describe();
+  EXPECT_EQ(line_starting(receiver->out(), "BAD "), std::nullopt) << receiver->describe();
+  const auto end = line_starting(receiver->out(), "END ");
+  EXPECT_GE(field(*end, "received").value_or(0), static_cast<std::int64_t>(FLOWING)) << *end;
+}
+
+INSTANTIATE_TEST_SUITE_P(Faults, LinkCut, ::testing::ValuesIn(backends()),
+                         [](const auto& param_info) { return name_of(param_info.param); });
+
+}  // namespace
+}  // namespace netio3::faults
