@@ -9,7 +9,7 @@
 //   backend    sender, data outstanding          idle receiver
 //   asyncmsg   926 s (kernel: tcp_retries2 = 15)  not within 1100 s
 //   libfabric  938 s (kernel: tcp_retries2 = 15)  not within 1100 s
-//   ucx        not within 120 s                   18.3 s (UCX's TCP keepalive, 10 s idle + probes)
+//   ucx        928 s (kernel: tcp_retries2 = 15)  18.3 s, 19.3 s (UCX's TCP keepalive)
 //
 // * The sender has data outstanding, so its kernel retransmits and aborts the connection
 //   after net.ipv4.tcp_retries2 retransmissions (default 15: about 15 minutes). No backend
