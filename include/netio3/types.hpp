@@ -132,6 +132,12 @@ struct NetworkLimits {
   // flushes its endpoint); what has not completed by then is reported as cancelled.
   // asyncmsg and libfabric close at once and do not use it.
   std::chrono::milliseconds close_timeout{std::chrono::seconds{2}};
+  // A peer that stops answering - a dead host, a cut link - ends the connection
+  // (on_connection_closed_cb) within about this time, whether data is being sent or the
+  // connection is idle (asyncmsg: TCP_USER_TIMEOUT and TCP keepalive on its sockets).
+  // libfabric's tcp provider and UCX's tcp transport manage their own sockets: there the
+  // kernel's settings decide (docs/reliability.md).
+  std::chrono::milliseconds peer_timeout{std::chrono::seconds{30}};
 };
 
 struct NetworkConfig {

@@ -53,6 +53,9 @@ void check_config(const NetworkConfig& config) {
   if (config.limits.close_timeout.count() <= 0) {
     throw InvalidConfiguration("limits.close_timeout must be > 0");
   }
+  if (config.limits.peer_timeout.count() <= 0) {
+    throw InvalidConfiguration("limits.peer_timeout must be > 0");
+  }
 }
 
 void check_connection_parameters(const ConnectionParameters& params, const NetworkConfig& config,

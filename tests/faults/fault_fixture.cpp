@@ -87,6 +87,10 @@ std::vector<std::string> peer_command(const PeerOptions& o, const std::string& n
       "--timeout",
       std::to_string(o.timeout.count())};
   argv.insert(argv.end(), rest.begin(), rest.end());
+  if (o.peer_timeout) {
+    argv.emplace_back("--peer-timeout-ms");
+    argv.push_back(std::to_string(o.peer_timeout->count()));
+  }
   return argv;
 }
 

@@ -79,6 +79,7 @@ struct PeerOptions {
   std::uint64_t progress{0};
   std::chrono::seconds timeout{60};
   std::vector<std::string> environment;  // NAME=value, added to the inherited environment
+  std::optional<std::chrono::milliseconds> peer_timeout;  // limits.peer_timeout
 };
 
 // argv of netio3_fault_peer, optionally run inside a network namespace (`ip netns exec`,

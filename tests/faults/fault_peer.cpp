@@ -4,6 +4,7 @@
 //   netio3_fault_peer --backend NAME --role send|recv (--listen IP | --connect IP:PORT)
 //                     [--messages N] [--size BYTES] [--mode buffered|zerocopy|copy]
 //                     [--stream ID] [--progress K] [--timeout SECONDS]
+//                     [--peer-timeout-ms MS]
 //
 // It makes one connection (listening on IP at a port the OS chooses, or connecting) and
 // then, as receiver, checks that stream ID arrives in order and intact, or, as sender, sends
@@ -71,6 +72,7 @@ struct Options {
   std::uint64_t stream{1};
   std::uint64_t progress{0};
   std::chrono::seconds timeout{60};
+  std::optional<std::chrono::milliseconds> peer_timeout;  // limits.peer_timeout
 };
 
 template <typename T>
@@ -86,7 +88,7 @@ std::optional<T> parse_number(std::string_view text) {
                "netio3_fault_peer: %s\nusage: netio3_fault_peer --backend NAME --role send|recv "
                "(--listen IP | --connect IP:PORT) [--messages N] [--size BYTES] "
                "[--mode buffered|zerocopy|copy] [--stream ID] [--progress K] "
-               "[--timeout SECONDS]\n",
+               "[--timeout SECONDS] [--peer-timeout-ms MS]\n",
                why.c_str());
   std::exit(2);  // NOLINT(concurrency-mt-unsafe): before any thread exists
 }
@@ -138,6 +140,10 @@ Options parse(int argc, char** argv) {
       const auto n = parse_number<std::uint64_t>(value);
       if (!n) usage("--progress: not a number");
       o.progress = *n;
+    } else if (name == "--peer-timeout-ms") {
+      const auto n = parse_number<unsigned>(value);
+      if (!n || *n == 0) usage("--peer-timeout-ms: milliseconds > 0");
+      o.peer_timeout = std::chrono::milliseconds{*n};
     } else if (name == "--timeout") {
       const auto n = parse_number<unsigned>(value);
       if (!n || *n == 0) usage("--timeout: seconds > 0");
@@ -161,7 +167,9 @@ int run(const Options& o) {
     region.resize(std::max<std::size_t>(64 * (o.size - netio3::faults::HEADER_BYTES), 1));
   }
   const auto params = netio3::faults::connection_params(o.mode, o.size, region);
-  auto backend = netio3::Netio3Backend::create(o.backend, observer.config(), loop.loop());
+  auto config = observer.config();
+  if (o.peer_timeout) config.limits.peer_timeout = *o.peer_timeout;
+  auto backend = netio3::Netio3Backend::create(o.backend, std::move(config), loop.loop());
 
   // ---- Connect
   netio3::EndPointAddress remote;

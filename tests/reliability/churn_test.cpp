@@ -141,8 +141,14 @@ TEST_P(Churn, ThousandConnectCloseCyclesReturnToBaseline) {
   const double growth_mib =
       (static_cast<double>(rss_after) - static_cast<double>(rss)) / (1024.0 * 1024.0);
   // Nothing per connection may stay behind; allocator noise and lazily touched pages of the
-  // transports stay well below this.
+  // transports stay well below this. Under the sanitizers freed memory is held back on
+  // purpose (ASan's quarantine, TSan's allocator), so RSS says nothing there; leaks are
+  // LeakSanitizer's job in that build.
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  std::printf("[ note     ] RSS bound not checked in a sanitizer build\n");
+#else
   EXPECT_LT(growth_mib, 8.0) << "RSS grew by " << growth_mib << " MiB over " << CYCLES << " cycles";
+#endif
   EXPECT_EQ(intact.load(), WARMUP + CYCLES);
   std::printf(
       "[ measure  ] %s: %zu cycles in %.2f s (%.2f ms each), fds %zu -> %zu, RSS %+.2f MiB\n",

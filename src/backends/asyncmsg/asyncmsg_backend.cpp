@@ -290,6 +290,9 @@ class Backend : public std::enable_shared_from_this<Backend> {
     if (conn->socket.open(endpoint.protocol(), ec); ec) fail("socket", ec.message());
     if (conn->socket.non_blocking(true, ec); ec) fail("non-blocking mode", ec.message());
     if (conn->socket.set_option(tcp::no_delay(true), ec); ec) fail("TCP_NODELAY", ec.message());
+    if (const auto err = set_peer_timeout(conn->socket.native_handle()); !err.empty()) {
+      fail("keepalive / TCP_USER_TIMEOUT", err);
+    }
     const int rc = ::connect(conn->socket.native_handle(), endpoint.data(),
                              static_cast<socklen_t>(endpoint.size()));
     const int err = rc == 0 ? 0 : errno;
@@ -538,14 +541,40 @@ class Backend : public std::enable_shared_from_this<Backend> {
     }
   }
 
+  // limits.peer_timeout: a peer that stops acknowledging (dead host, cut link) ends the
+  // connection within about that time. TCP_USER_TIMEOUT bounds how long sent data may stay
+  // unacknowledged; keepalive probes (after half the time idle, then three more) find a
+  // peer that vanished while nothing was being sent. Returns an error text, empty if set.
+  [[nodiscard]] std::string set_peer_timeout(int fd) const {
+    const auto ms = m_config.limits.peer_timeout.count();
+    const int user_timeout = static_cast<int>(std::min<std::int64_t>(ms, INT32_MAX));
+    const int idle = static_cast<int>(std::clamp<std::int64_t>(ms / 2000, 1, 32767));
+    const int interval = static_cast<int>(std::clamp<std::int64_t>(ms / 6000, 1, 32767));
+    const int count = 3;
+    const int on = 1;
+    const std::array<std::tuple<int, int, const int*, const char*>, 5> options{{
+        {SOL_SOCKET, SO_KEEPALIVE, &on, "SO_KEEPALIVE"},
+        {IPPROTO_TCP, TCP_KEEPIDLE, &idle, "TCP_KEEPIDLE"},
+        {IPPROTO_TCP, TCP_KEEPINTVL, &interval, "TCP_KEEPINTVL"},
+        {IPPROTO_TCP, TCP_KEEPCNT, &count, "TCP_KEEPCNT"},
+        {IPPROTO_TCP, TCP_USER_TIMEOUT, &user_timeout, "TCP_USER_TIMEOUT"},
+    }};
+    for (const auto& [level, name, value, text] : options) {
+      if (::setsockopt(fd, level, name, value, sizeof(int)) != 0) {
+        return fmt::format("{}: {}", text, errno_text(errno));
+      }
+    }
+    return {};
+  }
+
   void accept_one(const std::shared_ptr<Listener>& listener, tcp::socket socket,
                   const tcp::endpoint& peer) {
     boost::system::error_code ec;
     socket.non_blocking(true, ec);
     if (!ec) socket.set_option(tcp::no_delay(true), ec);
-    if (ec) {
-      NETIO3_WARN("asyncmsg: cannot configure socket accepted on {}: {}", listener->address,
-                  ec.message());
+    std::string error = ec ? ec.message() : set_peer_timeout(socket.native_handle());
+    if (!error.empty()) {
+      NETIO3_WARN("asyncmsg: cannot configure socket accepted on {}: {}", listener->address, error);
       return;
     }
     EndPointAddress remote{peer.address().to_string(), peer.port()};
