@@ -78,82 +78,119 @@ class Churn : public ::testing::TestWithParam<BackendType> {
   }
 };
 
-// One cycle: connect, one message each way checked, close from the client, both sides
-// report the close.
-void cycle(NetworkBackend& client, Recorder& crec, Recorder& srec, const EndPointAddress& listen,
-           std::size_t n) {
-  client.open_active_endpoint(listen, endpoint_params());
-  ASSERT_TRUE(crec.wait([&](const Recorder& r) { return r.count(Kind::ESTABLISHED) == n + 1; }))
-      << "cycle " << n;
-  ASSERT_TRUE(srec.wait([&](const Recorder& r) { return r.count(Kind::ESTABLISHED) == n + 1; }))
-      << "cycle " << n;
-  const auto message = test::pattern(n, 100 + n % 1000);
-  NetworkBuffer* buffer = client.get_buffer(listen);
-  ASSERT_NE(buffer, nullptr);
-  buffer->write(message);
-  ASSERT_EQ(client.send_buffer(listen, buffer), NetioStatus::OK);
-  ASSERT_TRUE(srec.wait([&](const Recorder& r) { return r.count(Kind::DATA) == n + 1; }))
-      << "cycle " << n;
-  ASSERT_TRUE(crec.wait([&](const Recorder& r) { return r.count(Kind::COMPLETED) == n + 1; }))
-      << "cycle " << n;
-  client.close_active_endpoint(listen);
-  ASSERT_TRUE(crec.wait([&](const Recorder& r) { return r.count(Kind::CLOSED) == n + 1; }))
-      << "cycle " << n;
-  ASSERT_TRUE(srec.wait([&](const Recorder& r) { return r.count(Kind::CLOSED) == n + 1; }))
-      << "cycle " << n;
-}
+// ---- 1000 connect/close cycles, client and server in two processes -------------------
+// (One process each, as in a deployment: several UCX workers in one process churning
+// connections trip an assertion inside UCX 1.13, async.c:643, and a UCX worker connected
+// to itself keeps five sockets per closed connection; see docs/ucx.md.)
 
-TEST_P(Churn, ThousandConnectCloseCyclesReturnToBaseline) {
-  constexpr std::size_t WARMUP = 30;
-  constexpr std::size_t CYCLES = 1000;
-  Recorder crec;
-  Recorder srec;
-  crec.keep_data(false);
-  srec.keep_data(false);
-  // Check each message against its pattern on arrival (nothing is kept).
-  std::atomic<std::size_t> arrived{0};
-  std::atomic<std::size_t> intact{0};
-  srec.set_hook([&](const Recorder::Event& e, std::span<const std::uint8_t> bytes) {
-    if (e.kind != Kind::DATA) return;
-    const std::size_t n = arrived++;
-    if (bytes.size() == 100 + n % 1000 && test::matches_pattern(bytes, n)) ++intact;
-  });
+constexpr std::size_t WARMUP = 30;
+constexpr std::size_t CYCLES = 1000;
+constexpr const char* CHURN_CLIENT_ENV = "NETIO3_CHURN_CLIENT";  // "<backend> <port>"
+
+// The client process: WARMUP + CYCLES times connect, send one message, close; its own fd
+// count and RSS must come back to what they were after the warm-up. Runs only when the
+// server test below starts this binary with CHURN_CLIENT_ENV set.
+TEST(DISABLED_ChurnClient, Cycles) {
+  const char* env = std::getenv(CHURN_CLIENT_ENV);
+  ASSERT_NE(env, nullptr) << "started by Churn.ThousandConnectCloseCyclesReturnToBaseline";
+  char name[32] = {};
+  unsigned port = 0;
+  ASSERT_EQ(std::sscanf(env, "%31s %u", name, &port), 2) << env;  // NOLINT
+  const auto type = parse_backend_type(name);
+  ASSERT_TRUE(type.has_value()) << name;
+  const EndPointAddress listen{test::test_address(), static_cast<std::uint16_t>(port)};
+  Recorder rec;
+  rec.keep_data(false);
   test::LoopThread loop;
-  auto server = make(srec, loop);
-  auto client = make(crec, loop);
-  const auto listen = server->open_listen_endpoint({test::test_address(), 0}, endpoint_params());
-
-  for (std::size_t n = 0; n < WARMUP; ++n) {
-    ASSERT_NO_FATAL_FAILURE(cycle(*client, crec, srec, listen, n));
-  }
+  auto backend = Netio3Backend::create(*type, rec.config(ThreadSafetyModel::SAFE, NetworkMode::TCP),
+                                       loop.loop());
+  const auto cycle = [&](std::size_t n) {
+    backend->open_active_endpoint(listen, endpoint_params());
+    ASSERT_TRUE(rec.wait([&](const Recorder& r) { return r.count(Kind::ESTABLISHED) == n + 1; }))
+        << "cycle " << n;
+    NetworkBuffer* buffer = backend->get_buffer(listen);
+    ASSERT_NE(buffer, nullptr);
+    buffer->write(test::pattern(n, 100 + n % 1000));
+    ASSERT_EQ(backend->send_buffer(listen, buffer), NetioStatus::OK);
+    ASSERT_TRUE(rec.wait([&](const Recorder& r) { return r.count(Kind::COMPLETED) == n + 1; }))
+        << "cycle " << n;
+    backend->close_active_endpoint(listen);
+    ASSERT_TRUE(rec.wait([&](const Recorder& r) { return r.count(Kind::CLOSED) == n + 1; }))
+        << "cycle " << n;
+  };
+  for (std::size_t n = 0; n < WARMUP; ++n) ASSERT_NO_FATAL_FAILURE(cycle(n));
   const std::size_t fds = test::open_fd_count();
   const std::size_t rss = test::rss_bytes();
   const auto started = Clock::now();
-  for (std::size_t n = WARMUP; n < WARMUP + CYCLES; ++n) {
-    ASSERT_NO_FATAL_FAILURE(cycle(*client, crec, srec, listen, n));
-  }
+  for (std::size_t n = WARMUP; n < WARMUP + CYCLES; ++n) ASSERT_NO_FATAL_FAILURE(cycle(n));
   const double seconds = std::chrono::duration<double>(Clock::now() - started).count();
-  // Not more than before (UCX's tcp transport may still have been closing sockets of the
-  // last warm-up cycle when the baseline was taken).
   EXPECT_TRUE(settles_below(test::open_fd_count, fds, 10s))
-      << "fds: " << fds << " before, " << test::open_fd_count() << " after " << CYCLES << " cycles";
-  const std::size_t rss_after = test::rss_bytes();
+      << "client fds: " << fds << " before, " << test::open_fd_count()
+      << " after:" << describe_fds();
   const double growth_mib =
-      (static_cast<double>(rss_after) - static_cast<double>(rss)) / (1024.0 * 1024.0);
-  // Nothing per connection may stay behind; allocator noise and lazily touched pages of the
-  // transports stay well below this. Under the sanitizers freed memory is held back on
-  // purpose (ASan's quarantine, TSan's allocator), so RSS says nothing there; leaks are
-  // LeakSanitizer's job in that build.
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-  std::printf("[ note     ] RSS bound not checked in a sanitizer build\n");
-#else
-  EXPECT_LT(growth_mib, 8.0) << "RSS grew by " << growth_mib << " MiB over " << CYCLES << " cycles";
+      (static_cast<double>(test::rss_bytes()) - static_cast<double>(rss)) / (1024.0 * 1024.0);
+#if !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
+  EXPECT_LT(growth_mib, 8.0) << "client RSS grew by " << growth_mib << " MiB";
 #endif
-  EXPECT_EQ(intact.load(), WARMUP + CYCLES);
-  std::printf(
-      "[ measure  ] %s: %zu cycles in %.2f s (%.2f ms each), fds %zu -> %zu, RSS %+.2f MiB\n",
-      std::string{to_string(GetParam())}.c_str(), CYCLES, seconds, 1000.0 * seconds / CYCLES, fds,
-      test::open_fd_count(), growth_mib);
+  std::printf("CLIENT %zu cycles in %.2f s (%.2f ms each), fds %zu -> %zu, RSS %+.2f MiB\n", CYCLES,
+              seconds, 1000.0 * seconds / CYCLES, fds, test::open_fd_count(), growth_mib);
+}
+
+// The server: accepts WARMUP + CYCLES connections from the client process, checks every
+// message, and comes back to its fd count and RSS after the warm-up. Nothing per
+// connection may stay behind in either process; allocator noise and lazily touched pages of
+// the transports stay well below 8 MiB. Under the sanitizers freed memory is held back on
+// purpose (ASan's quarantine, TSan's allocator), so RSS is not checked there; leaks are
+// LeakSanitizer's job in that build.
+TEST_P(Churn, ThousandConnectCloseCyclesReturnToBaseline) {
+  Recorder rec;
+  rec.keep_data(false);
+  std::atomic<std::size_t> arrived{0};
+  std::atomic<std::size_t> intact{0};
+  std::atomic<std::size_t> fds{0};
+  std::atomic<std::size_t> rss{0};
+  std::atomic<std::size_t> closed{0};
+  rec.set_hook([&](const Recorder::Event& e, std::span<const std::uint8_t> bytes) {
+    if (e.kind == Kind::DATA) {
+      const std::size_t n = arrived++;
+      if (bytes.size() == 100 + n % 1000 && test::matches_pattern(bytes, n)) ++intact;
+    }
+    if (e.kind == Kind::CLOSED && ++closed == WARMUP) {
+      fds = test::open_fd_count();  // after the warm-up (perhaps with the next one opening)
+      rss = test::rss_bytes();
+    }
+  });
+  test::LoopThread loop;
+  auto server = make(rec, loop);
+  const auto listen = server->open_listen_endpoint({test::test_address(), 0}, endpoint_params());
+
+  const auto self = std::filesystem::read_symlink("/proc/self/exe").string();
+  test::ChildProcess client{
+      {"env", fmt::format("{}={} {}", CHURN_CLIENT_ENV, to_string(GetParam()), listen.port), self,
+       "--gtest_also_run_disabled_tests", "--gtest_filter=DISABLED_ChurnClient.Cycles"}};
+  const auto status = client.wait(Clock::now() + 240s);
+  EXPECT_EQ(status, 0) << client.describe();
+  ASSERT_TRUE(rec.wait([&](const Recorder& r) { return r.count(Kind::CLOSED) == WARMUP + CYCLES; }))
+      << "server saw " << rec.count_now(Kind::CLOSED) << " closes";
+  EXPECT_EQ(rec.count_now(Kind::ESTABLISHED), WARMUP + CYCLES);
+  EXPECT_EQ(intact.load(), WARMUP + CYCLES) << "of " << arrived.load() << " messages";
+  EXPECT_TRUE(settles_below(test::open_fd_count, fds.load(), 10s))
+      << "server fds: " << fds.load() << " after the warm-up, " << test::open_fd_count()
+      << " after:" << describe_fds();
+  const double growth_mib =
+      (static_cast<double>(test::rss_bytes()) - static_cast<double>(rss.load())) /
+      (1024.0 * 1024.0);
+#if !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
+  EXPECT_LT(growth_mib, 8.0) << "server RSS grew by " << growth_mib << " MiB";
+#endif
+  const auto line = client.out().find("CLIENT ");
+  std::printf("[ measure  ] %s: %s; server fds %zu -> %zu, RSS %+.2f MiB\n",
+              std::string{to_string(GetParam())}.c_str(),
+              line == std::string::npos
+                  ? "client said nothing"
+                  : client.out().substr(line, client.out().find('\n', line) - line).c_str(),
+              fds.load(), test::open_fd_count(), growth_mib);
+  loop.loop()->run_sync([&] { rec.set_hook(nullptr); });
 }
 
 // Clients connect to a listener that is closed at once: each one gets exactly one outcome
