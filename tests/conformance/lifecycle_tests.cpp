@@ -362,6 +362,13 @@ TEST_P(Lifecycle, DestroyingTheBackendWithOpenConnectionsClosesThemAtThePeer) {
     connect(*clients.back(), listen);
   }
   ASSERT_TRUE(server->rec.wait([&](const Recorder& r) { return r.count(Kind::ESTABLISHED) == 3; }));
+  // Open at both ends: a client that has not yet seen its connection established when the
+  // server goes would rightly report it refused (UCX: the server reports established on
+  // HELLO, the client on HELLO_ACK, which may still be on its way).
+  for (auto& c : clients) {
+    ASSERT_TRUE(
+        c->rec.wait([&](const Recorder& r) { return r.count(Kind::ESTABLISHED, listen) == 1; }));
+  }
   const std::size_t fds_with_server = test::open_fd_count();
   server->destroy_backend();  // from the test thread while the server loop runs
   for (auto& c : clients) {
