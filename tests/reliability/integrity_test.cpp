@@ -25,6 +25,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <shared_mutex>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -100,6 +101,11 @@ struct Conn {
   std::vector<std::uint8_t> region;  // zero-copy slots
   std::mutex slot_mutex;
   std::vector<std::uint32_t> free_slots;
+  // A NetworkBuffer* lives until the connection's closed callback: a buffered send holds
+  // this in shared mode from get_buffer to send_buffer (and while it keeps a buffer for a
+  // retry), the closed callback takes it exclusively and marks the connection closed.
+  std::shared_mutex buffers_mutex;
+  bool closed{false};  // under buffers_mutex
 
   void init_region() {
     region.assign(SLOTS * MAX_SIZE, 0);
@@ -154,6 +160,10 @@ class Side {
     config.on_connection_closed_cb = [this](const EndPointAddress& remote,
                                             const std::vector<std::uint64_t>& keys) {
       if (Conn* conn = find(remote)) {
+        {
+          const std::unique_lock lock{conn->buffers_mutex};
+          conn->closed = true;
+        }
         conn->ledger.closed(keys);
         for (const std::uint64_t key : keys) conn->release(key);
       }
@@ -279,6 +289,11 @@ class Side {
     try {
       switch (mode) {
         case SendMode::BUFFERED: {
+          const std::shared_lock lock{c.buffers_mutex};
+          if (c.closed) {
+            s.pending = nullptr;  // went with its connection
+            return Attempt::GONE;
+          }
           NetworkBuffer* buffer = s.pending;
           if (buffer == nullptr) {
             buffer = backend->get_buffer(c.to);
