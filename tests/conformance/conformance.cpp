@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <shared_mutex>
 
 namespace netio3::conformance {
 
@@ -124,6 +125,10 @@ NetioStatus send_one(Node& node, const EndPointAddress& to, SendMode mode,
     std::uint64_t key = index;
     switch (mode) {
       case SendMode::BUFFERED: {
+        // SAFE: the connection must not close between get_buffer and send_buffer (see
+        // Recorder::hold_buffers). UNSAFE runs on the loop thread, which is serial anyway.
+        std::shared_lock<std::shared_mutex> guard;
+        if (node.model == ThreadSafetyModel::SAFE) guard = node.rec.hold_buffers();
         status = node.call([&] {
           NetworkBuffer* buffer = node.backend->get_buffer(to);
           if (buffer == nullptr) return NetioStatus::NO_RESOURCES;

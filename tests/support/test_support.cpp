@@ -111,6 +111,7 @@ NetworkConfig Recorder::config(ThreadSafetyModel model, NetworkMode mode) {
   };
   config.on_connection_closed_cb = [this](const EndPointAddress& remote,
                                           const std::vector<std::uint64_t>& keys) {
+    { const std::unique_lock wait_for_buffer_users{m_buffer_guard}; }
     record(Event{.kind = Kind::CLOSED, .remote = remote, .keys = keys}, {});
   };
   config.on_connection_refused_cb = [this](const EndPointAddress& remote) {

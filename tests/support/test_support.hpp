@@ -9,6 +9,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <shared_mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -96,6 +97,14 @@ class Recorder {
   // Called after every recorded event, outside the recorder's lock, on the loop thread.
   void set_hook(std::function<void(const Event&, std::span<const std::uint8_t>)> hook);
 
+  // A buffer from get_buffer lives until its connection's closed callback. A test thread
+  // that fills buffers while a connection may close (SAFE model) holds this guard from
+  // get_buffer to send_buffer; every closed callback takes it exclusively first, so the
+  // connection cannot go away in between.
+  [[nodiscard]] std::shared_lock<std::shared_mutex> hold_buffers() {
+    return std::shared_lock{m_buffer_guard};
+  }
+
   // Keep copies of received messages (off by default: large tests only count).
   void keep_data(bool keep) { m_keep_data = keep; }
 
@@ -119,6 +128,7 @@ class Recorder {
   void record(Event event, std::span<const std::uint8_t> bytes);
 
   mutable std::mutex m_mutex;
+  std::shared_mutex m_buffer_guard;
   std::condition_variable m_cv;
   std::vector<Event> m_events;
   std::vector<std::vector<std::uint8_t>> m_data;
