@@ -26,8 +26,9 @@
 // High-water marks: the default 1000 messages would cap the 64 B pipeline needlessly and
 // queue 1 GiB at 1 MiB; both sides use max(16, min(100000, 64 MiB / SIZE)) messages.
 //
-// cpu_ns_per_msg is the CPU time of both processes (all their threads, including zmq's I/O
-// thread) during the run, divided by the messages (round trips for latency).
+// cpu_ns_per_msg is the CPU time of the client process (all its threads, including zmq's I/O
+// thread) during the run, divided by the messages (round trips for latency);
+// server_cpu_ns_per_msg the same for the server process, from its report.
 //
 // Output: one human line per run; with --json FILE one JSON object per run appended to FILE
 // (JSON Lines, the keys shared by all bench/compare programs).
@@ -444,7 +445,8 @@ struct Result {
   double duration_s = 0;
   std::uint64_t messages = 0;
   std::uint64_t bytes = 0;
-  std::uint64_t cpu_ns = 0;
+  std::uint64_t cpu_ns = 0;         // this (the client) process
+  std::uint64_t server_cpu_ns = 0;  // the server process, from its report
   std::optional<double> p50_us, p99_us, p999_us;
   bool intact = false;
   std::string error;
@@ -457,13 +459,17 @@ std::string json_number(std::optional<double> value) {
 void report(const Options& options, const Result& r) {
   const double msgs_per_s = r.duration_s > 0 ? static_cast<double>(r.messages) / r.duration_s : 0;
   const double bytes_per_s = r.duration_s > 0 ? static_cast<double>(r.bytes) / r.duration_s : 0;
-  const double cpu_per_msg =
-      r.messages > 0 ? static_cast<double>(r.cpu_ns) / static_cast<double>(r.messages) : 0;
+  auto per_msg = [&](std::uint64_t ns) {
+    return r.messages > 0 ? static_cast<double>(ns) / static_cast<double>(r.messages) : 0.0;
+  };
+  const double cpu_per_msg = per_msg(r.cpu_ns);
+  const double server_cpu_per_msg = per_msg(r.server_cpu_ns);
   std::string line = fmt::format(
       "zmq tcp {} {} size={} B: {} {} in {:.2f} s, {:.0f} msg/s, {:.1f} MB/s ({:.3f} Gbit/s), "
-      "cpu {:.0f} ns/msg",
+      "cpu {:.0f} ns/msg (server {:.0f})",
       r.send, r.test, r.size, r.messages, r.test == "latency" ? "round trips" : "messages",
-      r.duration_s, msgs_per_s, bytes_per_s / 1e6, bytes_per_s * 8 / 1e9, cpu_per_msg);
+      r.duration_s, msgs_per_s, bytes_per_s / 1e6, bytes_per_s * 8 / 1e9, cpu_per_msg,
+      server_cpu_per_msg);
   if (r.p50_us) {
     line += fmt::format(", round trip p50 {:.2f} us p99 {:.2f} us p99.9 {:.2f} us", *r.p50_us,
                         *r.p99_us, *r.p999_us);
@@ -478,10 +484,11 @@ void report(const Options& options, const Result& r) {
       "{{\"tool\":\"zmq\",\"backend\":\"zmq\",\"mode\":\"tcp\",\"send\":\"{}\",\"test\":\"{}\","
       "\"size\":{},\"connections\":1,\"threads\":1,\"duration_s\":{:.6f},\"messages\":{},"
       "\"bytes\":{},\"msgs_per_s\":{:.3f},\"bytes_per_s\":{:.3f},\"gbit_per_s\":{:.6f},"
-      "\"cpu_ns_per_msg\":{:.3f},\"p50_us\":{},\"p99_us\":{},\"p999_us\":{},\"intact\":{}}}\n",
+      "\"cpu_ns_per_msg\":{:.3f},\"server_cpu_ns_per_msg\":{:.3f},\"p50_us\":{},\"p99_us\":{},"
+      "\"p999_us\":{},\"intact\":{}}}\n",
       r.send, r.test, r.size, r.duration_s, r.messages, r.bytes, msgs_per_s, bytes_per_s,
-      bytes_per_s * 8 / 1e9, cpu_per_msg, json_number(r.p50_us), json_number(r.p99_us),
-      json_number(r.p999_us), r.intact ? "true" : "false");
+      bytes_per_s * 8 / 1e9, cpu_per_msg, server_cpu_per_msg, json_number(r.p50_us),
+      json_number(r.p99_us), json_number(r.p999_us), r.intact ? "true" : "false");
   std::FILE* file = std::fopen(options.json.c_str(), "a");
   if (file == nullptr) {
     std::fprintf(stderr, "netio3-raw-zmq: cannot open %s: %s\n", options.json.c_str(),
@@ -574,7 +581,7 @@ Result run_throughput(const Context& ctx, Socket& ctrl, const Options& options,
                             bytes, r.bytes, intact == 0 ? ", out of order or damaged" : "");
     }
   }
-  r.cpu_ns += server_cpu;
+  r.server_cpu_ns = server_cpu;
   r.intact = r.error.empty();
   return r;
 }
@@ -643,7 +650,7 @@ Result run_latency(const Context& ctx, Socket& ctrl, const Options& options,
     try {
       const std::string answer = ask(ctrl, "done");
       unsigned long long server_cpu = 0;
-      if (std::sscanf(answer.c_str(), "done %llu", &server_cpu) == 1) r.cpu_ns += server_cpu;
+      if (std::sscanf(answer.c_str(), "done %llu", &server_cpu) == 1) r.server_cpu_ns = server_cpu;
     } catch (const std::exception& e) {
       r.error = e.what();
     }

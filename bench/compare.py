@@ -1,0 +1,882 @@
+#!/usr/bin/env python3
+"""bench/compare.py: runs every netio3 backend (netio3-perf) and the raw transport references
+on this machine over loopback, and compares them. Started by bench/compare, which installs
+the tools and builds first; see docs/benchmarks.md.
+
+Every run is two processes on 127.0.0.1: a server in the background, a client in the
+foreground. All records go to OUT/results.jsonl in the common keys of the bench programs
+(references converted); the table is printed and written as OUT/ratios.md; OUT/compare.png
+plots throughput and message rate against message size. Server and client output is kept in
+OUT/logs/.
+
+Exit status: 0 done (whatever the ratios say), 1 a netio3 run reported lost or damaged data,
+3 a netio3 run failed (crash, timeout, no result), 2 bad options.
+"""
+
+import argparse
+import ctypes
+import datetime
+import json
+import os
+import platform
+import queue
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+HOST = "127.0.0.1"
+SIZES = [64, 4096, 65536, 1048576]
+LATENCY_SIZES = [64, 4096]
+MAX_SIZE = 1048576 + 64  # netio3-perf --max-size: the largest message plus room for headers
+BACKENDS = ["asyncmsg", "libfabric", "ucx"]
+COPY_BACKENDS = {"asyncmsg", "ucx"}  # send_data_copy is supported there
+SOCKPERF_MAX = 1048575  # sockperf's largest -m
+GROUPS = ["netio3", "iperf3", "sockperf", "ucx_perftest", "raw-fabric", "zmq"]
+
+KEYS = ["tool", "backend", "mode", "send", "test", "size", "connections", "threads",
+        "duration_s", "messages", "bytes", "msgs_per_s", "bytes_per_s", "gbit_per_s",
+        "cpu_ns_per_msg", "p50_us", "p99_us", "p999_us", "intact"]
+
+
+class RunError(Exception):
+    """A run that produced no result; the message says why."""
+
+
+def size_name(size):
+    if size >= 1 << 20 and size % (1 << 20) == 0:
+        return f"{size >> 20} MiB"
+    if size >= 1 << 10 and size % (1 << 10) == 0:
+        return f"{size >> 10} KiB"
+    return f"{size} B"
+
+
+def tail(text, lines=3, width=300):
+    """The last non-empty lines of a tool's output, on one line: the error to report."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", text or "")
+    kept = [line.strip() for line in text.splitlines() if line.strip()]
+    return " | ".join(kept[-lines:])[-width:] or "no output"
+
+
+def rel(path):
+    try:
+        return str(Path(path).relative_to(ROOT))
+    except ValueError:
+        return str(path)
+
+
+def free_port():
+    """A port that was free a moment ago: bind port 0, read it, close. Another process may
+    take it before the server binds it; acceptable for a benchmark on a quiet machine."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def port_listening(port):
+    """Whether some socket listens on TCP `port` (any address), from /proc/net/tcp{,6}."""
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                next(f)
+                for line in f:
+                    fields = line.split()
+                    if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                        return True
+        except OSError:
+            pass
+    return False
+
+
+# ---- background servers ------------------------------------------------------------------
+
+_SERVERS = []
+
+
+def _die_with_parent():
+    # The server gets SIGTERM if this script dies, even by SIGKILL (Linux prctl).
+    try:
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except Exception:  # noqa: BLE001 - best effort
+        pass
+
+
+class Server:
+    """A server process in the background; its output goes to a log file. Ready when it
+    printed 'listening on IP:PORT' (netio3 programs) or when `port` is listening."""
+
+    def __init__(self, name, argv, log_dir, env=None, port=None, timeout=30.0):
+        self.name = name
+        self.argv = [str(a) for a in argv]
+        self.log_path = Path(log_dir) / f"server-{name}.log"
+        self.lines = queue.Queue()
+        self.address = None
+        log = open(self.log_path, "a")
+        log.write(f"$ {' '.join(self.argv)}\n")
+        log.flush()
+        try:
+            self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=log, text=True,
+                                         env=env, preexec_fn=_die_with_parent,
+                                         start_new_session=True)
+        except OSError as e:
+            log.close()
+            raise RunError(f"cannot start {self.argv[0]}: {e}") from e
+        _SERVERS.append(self)
+        self._reader = threading.Thread(target=self._read, args=(log,), daemon=True)
+        self._reader.start()
+        deadline = time.monotonic() + timeout
+        while True:
+            if port is not None and port_listening(port):
+                self.address = f"{HOST}:{port}"
+                return
+            if port is None:
+                try:
+                    line = self.lines.get(timeout=0.05)
+                    m = re.search(r"listening on (\S+):(\d+)", line)
+                    if m:
+                        ip = m.group(1)
+                        ip = HOST if ip in ("0.0.0.0", "*", "::", "[::]") else ip
+                        self.address = f"{ip}:{m.group(2)}"
+                        return
+                except queue.Empty:
+                    pass
+            else:
+                time.sleep(0.05)
+            if self.proc.poll() is not None:
+                self._reader.join(1)
+                raise RunError(f"{name} server exited ({self.proc.returncode}): "
+                               f"{tail(self.log_path.read_text())}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RunError(f"{name} server not ready after {timeout:.0f} s: "
+                               f"{tail(self.log_path.read_text())}")
+
+    def _read(self, log):
+        for line in self.proc.stdout:
+            log.write(line)
+            log.flush()
+            self.lines.put(line)
+        log.close()
+
+    def alive(self):
+        return self.proc.poll() is None
+
+    def stop(self, timeout=5.0):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self in _SERVERS:
+            _SERVERS.remove(self)
+
+    def wait_exit(self, timeout):
+        """For servers that end by themselves after one test (ucx_perftest)."""
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        self.stop()
+
+
+def stop_all_servers():
+    for server in list(_SERVERS):
+        try:
+            server.stop()
+        except Exception:  # noqa: BLE001 - keep going, stop the others
+            pass
+
+
+# ---- records -----------------------------------------------------------------------------
+
+def record(label, group, **fields):
+    """A record with every common key (None where a tool does not measure it)."""
+    r = {k: None for k in KEYS}
+    r.update(connections=1, threads=1, mode="tcp")
+    r.update(fields)
+    r["label"] = label
+    r["group"] = group
+    r.setdefault("status", "ok")
+    r.setdefault("error", None)
+    r.setdefault("note", None)
+    if r.get("bytes_per_s") is not None and r.get("gbit_per_s") is None:
+        r["gbit_per_s"] = r["bytes_per_s"] * 8 / 1e9
+    return r
+
+
+def failed(label, group, test, size, error, status="failed", **fields):
+    return record(label, group, test=test, size=size, status=status, error=error, **fields)
+
+
+class Runner:
+    def __init__(self, args):
+        self.args = args
+        self.out = Path(args.out)
+        self.logs = self.out / "logs"
+        self.runs = self.out / "runs"
+        self.records = []
+        self.build = Path(args.build_dir)
+        self.bins = {
+            "netio3-perf": self.build / "tools/netio3-perf/netio3-perf",
+            "raw-fabric": self.build / "bench/raw/netio3-raw-fabric",
+            "raw-zmq": self.build / "bench/raw/netio3-raw-zmq",
+        }
+        self.count = 0
+
+    # -- helpers --
+
+    def env(self, **extra):
+        env = dict(os.environ)
+        env.update({k: str(v) for k, v in extra.items()})
+        return env
+
+    def add(self, r):
+        self.records.append(r)
+        self.count += 1
+        what = f"{r['label']} {r['test']} {size_name(r['size'])}"
+        if r["status"] == "ok":
+            if r["test"] == "latency":
+                value = f"p50 round trip {r['p50_us']:.1f} us" if r["p50_us"] is not None else ""
+            else:
+                value = (f"{r['msgs_per_s']:,.0f} msg/s, {r['bytes_per_s'] / 1e6:,.1f} MB/s"
+                         if r["msgs_per_s"] is not None else "")
+            print(f"[{self.count:3}] {what:45} {value}", flush=True)
+        else:
+            print(f"[{self.count:3}] {what:45} {r['status'].upper()}: {r['error']}", flush=True)
+
+    def client(self, name, argv, env=None, timeout=None):
+        """Runs a client to its end; returns (returncode, stdout+stderr). The output is
+        kept in OUT/logs/client-NAME.log."""
+        argv = [str(a) for a in argv]
+        timeout = timeout or self.args.duration * 3 + 60
+        log = self.logs / f"client-{name}.log"
+        try:
+            done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=timeout,
+                                  preexec_fn=_die_with_parent)
+            output, rc = done.stdout + done.stderr, done.returncode
+        except subprocess.TimeoutExpired as e:
+            output = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) \
+                else (e.stdout or "")
+            rc = None
+            output += f"\n(killed after {timeout:.0f} s)"
+        except OSError as e:
+            raise RunError(f"cannot start {argv[0]}: {e}") from e
+        with open(log, "a") as f:
+            f.write(f"$ {' '.join(argv)}\n{output}\n")
+        if rc is None:
+            raise RunError(f"timed out after {timeout:.0f} s: {tail(output)}")
+        return rc, output
+
+    def seconds(self):
+        return max(1, round(self.args.duration))  # iperf3 and sockperf take whole seconds
+
+    # -- netio3-perf and the raw programs: same CLI, JSON Lines output --
+
+    def json_client(self, label, group, name, argv, env, test, size):
+        json_path = self.runs / f"{name}.jsonl"
+        json_path.unlink(missing_ok=True)
+        rc, output = self.client(name, argv + ["--json", json_path], env=env)
+        lines = json_path.read_text().splitlines() if json_path.exists() else []
+        if not lines:
+            raise RunError(f"exit {rc}, no result: {tail(output)}")
+        r = record(label, group, **json.loads(lines[-1]))
+        if r.get("intact") is False:
+            r["status"] = "lost"
+            r["error"] = f"data lost or damaged (exit {rc}): {tail(output, 1)}"
+        elif rc != 0:
+            r["status"] = "failed"
+            r["error"] = f"exit {rc}: {tail(output)}"
+        r["test"], r["size"] = test, size
+        return r
+
+    def run_json_suite(self, group, name, label_of, server_argv, client_argv, plan, env):
+        """plan: list of (send, test, size). One server serves all of them; it is started
+        again if it died."""
+        server = None
+        for send, test, size in plan:
+            label = label_of(send, test)
+            run_name = f"{name}-{send}-{test}-{size}"
+            try:
+                if server is None or not server.alive():
+                    if server is not None:
+                        server.stop()
+                    server = Server(name, server_argv, self.logs, env=env)
+                argv = client_argv(server.address, send, test, size)
+                self.add(self.json_client(label, group, run_name, argv, env, test, size))
+            except RunError as e:
+                self.add(failed(label, group, test, size, str(e)))
+        if server is not None:
+            server.stop()
+
+    def netio3(self):
+        perf = self.bins["netio3-perf"]
+        plan_for = {}
+        for backend in BACKENDS:
+            sends = ["buffered", "copy"] if backend in COPY_BACKENDS else ["buffered"]
+            plan_for[backend] = ([(s, "throughput", n) for n in self.sizes for s in sends] +
+                                 [(s, "latency", n) for n in self.latency_sizes for s in sends])
+        if not perf.exists():
+            for backend in BACKENDS:
+                for send, test, size in plan_for[backend]:
+                    self.add(failed(f"{backend} {send}", "netio3", test, size,
+                                    f"{rel(perf)} not built", status="missing",
+                                    tool="netio3-perf", backend=backend, send=send))
+            return
+        try:
+            listed = subprocess.run([perf, "--list-backends"], capture_output=True, text=True,
+                                    timeout=30).stdout
+        except (OSError, subprocess.TimeoutExpired) as e:
+            listed = ""
+            print(f"netio3-perf --list-backends failed: {e}", file=sys.stderr)
+        available = set(re.findall(r"[a-z]+", listed))
+        for backend in BACKENDS:
+            if backend not in available:
+                for send, test, size in plan_for[backend]:
+                    self.add(failed(f"{backend} {send}", "netio3", test, size,
+                                    "backend not compiled in (netio3-perf --list-backends)",
+                                    status="missing", tool="netio3-perf", backend=backend,
+                                    send=send))
+                continue
+            # UCX over TCP for both processes, as for ucx_perftest.
+            env = self.env(UCX_TLS="tcp") if backend == "ucx" else self.env()
+            d = self.args.duration
+
+            def client_argv(address, send, test, size, backend=backend):
+                return [perf, "--client", address, "--backend", backend, "--mode", "tcp",
+                        "--send", send, "--size", size, "--duration", d, "--test", test]
+
+            self.run_json_suite(
+                "netio3", f"netio3-{backend}", lambda send, test, b=backend: f"{b} {send}",
+                [perf, "--server", "--backend", backend, "--mode", "tcp", "--max-size",
+                 MAX_SIZE], client_argv, plan_for[backend], env)
+
+    def raw(self, group, key, server_extra, labels):
+        binary = self.bins[key]
+        plan = ([("t", "throughput", n) for n in self.sizes] +
+                [("l", "latency", n) for n in self.latency_sizes])
+        if not binary.exists():
+            for _, test, size in plan:
+                self.add(failed(labels[test], group, test, size,
+                                f"{rel(binary)} not built", status="missing"))
+            return
+        d = self.args.duration
+
+        def client_argv(address, send, test, size):
+            return [binary, "--client", address, "--test", test, "--size", size,
+                    "--duration", d]
+
+        self.run_json_suite(group, group, lambda send, test: labels[test],
+                            [binary, "--server", "--port", "0"] + server_extra, client_argv,
+                            plan, self.env())
+
+    # -- iperf3 --
+
+    def iperf3(self):
+        label = "iperf3"
+        try:
+            port = free_port()
+            server = Server("iperf3", ["iperf3", "-s", "-B", HOST, "-p", port], self.logs,
+                            port=port)
+        except RunError as e:
+            for size in self.sizes:
+                self.add(failed(label, "iperf3", "throughput", size, str(e), tool="iperf3"))
+            return
+        try:
+            for size in self.sizes:
+                try:
+                    self.add(self.iperf3_run(server, port, size))
+                except RunError as e:
+                    self.add(failed(label, "iperf3", "throughput", size, str(e), tool="iperf3"))
+        finally:
+            server.stop()
+
+    def iperf3_run(self, server, port, size):
+        if not server.alive():
+            raise RunError("iperf3 server died")
+        rc, output = self.client(f"iperf3-{size}", ["iperf3", "-c", HOST, "-p", port, "-t",
+                                                    self.seconds(), "-l", size, "-J"])
+        try:
+            data = json.loads(output[: output.rindex("}") + 1])
+        except ValueError as e:
+            raise RunError(f"exit {rc}, no JSON: {tail(output)}") from e
+        if "error" in data:
+            raise RunError(f"iperf3: {data['error']}")
+        end = data["end"]
+        received = end["sum_received"]
+        seconds = received["seconds"]
+        nbytes = received["bytes"]
+        messages = nbytes / size  # writes of -l bytes; TCP keeps no message boundaries
+        cpu = end.get("cpu_utilization_percent", {})
+        per_msg = lambda pct: pct / 100 * seconds * 1e9 / messages if messages else None  # noqa
+        return record("iperf3", "iperf3", tool="iperf3", backend="tcp", send="stream",
+                      test="throughput", size=size, duration_s=seconds, messages=round(messages),
+                      bytes=nbytes, msgs_per_s=messages / seconds,
+                      bytes_per_s=received["bits_per_second"] / 8,
+                      cpu_ns_per_msg=per_msg(cpu.get("host_total", 0)),
+                      server_cpu_ns_per_msg=per_msg(cpu.get("remote_total", 0)),
+                      note="single TCP stream, receiver's bytes; messages = bytes / -l")
+
+    # -- sockperf --
+
+    def sockperf(self):
+        try:
+            port = free_port()
+            server = Server("sockperf", ["sockperf", "sr", "--tcp", "-i", HOST, "-p", port,
+                                         "-m", SOCKPERF_MAX], self.logs, port=port)
+        except RunError as e:
+            for size in self.latency_sizes:
+                self.add(failed("sockperf pp", "sockperf", "latency", size, str(e),
+                                tool="sockperf"))
+            for size in self.sizes:
+                self.add(failed("sockperf tp", "sockperf", "throughput", size, str(e),
+                                tool="sockperf"))
+            return
+        try:
+            for test, sizes, run in (("latency", self.latency_sizes, self.sockperf_pp),
+                                     ("throughput", self.sizes, self.sockperf_tp)):
+                for size in sizes:
+                    label = "sockperf pp" if test == "latency" else "sockperf tp"
+                    try:
+                        if not server.alive():
+                            raise RunError("sockperf server died")
+                        self.add(run(port, size))
+                    except RunError as e:
+                        self.add(failed(label, "sockperf", test, size, str(e), tool="sockperf"))
+        finally:
+            server.stop()
+
+    def sockperf_pp(self, port, size):
+        rc, output = self.client(f"sockperf-pp-{size}", [
+            "sockperf", "pp", "--tcp", "-i", HOST, "-p", port, "-m", size, "-t", self.seconds()])
+        text = re.sub(r"\x1b\[[0-9;]*m", "", output)
+        valid = re.search(r"\[Valid Duration\] RunTime=([\d.]+) sec; SentMessages=(\d+); "
+                          r"ReceivedMessages=(\d+)", text)
+        pct = {float(p): float(v) for p, v in
+               re.findall(r"percentile\s+([\d.]+)\s*=\s*([\d.]+)", text)}
+        if rc != 0 or not valid or 50.0 not in pct:
+            raise RunError(f"exit {rc}: {tail(output)}")
+        seconds, messages = float(valid.group(1)), int(valid.group(3))
+        bad = re.search(r"# dropped messages = (\d+); # duplicated messages = (\d+); "
+                        r"# out-of-order messages = (\d+)", text)
+        intact = bad is not None and all(int(x) == 0 for x in bad.groups())
+        # sockperf prints one-way latency (round trip / 2): doubled here to a round trip.
+        rt = lambda p: 2 * pct[p] if p in pct else None  # noqa: E731
+        return record("sockperf pp", "sockperf", tool="sockperf", backend="tcp",
+                      send="ping-pong", test="latency", size=size, duration_s=seconds,
+                      messages=messages, bytes=messages * size, msgs_per_s=messages / seconds,
+                      bytes_per_s=messages * size / seconds, p50_us=rt(50.0), p99_us=rt(99.0),
+                      p999_us=rt(99.9), intact=intact, one_way_p50_us=pct[50.0],
+                      note="round trip = 2 x sockperf's one-way latency")
+
+    def sockperf_tp(self, port, size):
+        m = min(size, SOCKPERF_MAX)
+        rc, output = self.client(f"sockperf-tp-{size}", [
+            "sockperf", "tp", "--tcp", "-i", HOST, "-p", port, "-m", m, "-t", self.seconds()])
+        text = re.sub(r"\x1b\[[0-9;]*m", "", output)
+        total = re.search(r"Total of (\d+) messages sent in ([\d.]+) sec", text)
+        if rc != 0 or not total:
+            raise RunError(f"exit {rc}: {tail(output)}")
+        messages, seconds = int(total.group(1)), float(total.group(2))
+        note = "sender's count (one way, not checked)"
+        if m != size:
+            note += f"; -m {m}: sockperf's largest message"
+        return record("sockperf tp", "sockperf", tool="sockperf", backend="tcp",
+                      send="throughput", test="throughput", size=size, duration_s=seconds,
+                      messages=messages, bytes=messages * m, msgs_per_s=messages / seconds,
+                      bytes_per_s=messages * m / seconds, note=note)
+
+    # -- ucx_perftest --
+
+    def ucx_perftest(self):
+        if shutil.which("ucx_perftest") is None:
+            for test, sizes in (("throughput", self.sizes), ("latency", self.latency_sizes)):
+                for size in sizes:
+                    label = "ucp_am_bw" if test == "throughput" else "ucp_am_lat"
+                    self.add(failed(label, "ucx_perftest", test, size,
+                                    "ucx_perftest not installed (ucx-utils)", status="missing"))
+            return
+        for test, sizes in (("throughput", self.sizes), ("latency", self.latency_sizes)):
+            for size in sizes:
+                label = "ucp_am_bw" if test == "throughput" else "ucp_am_lat"
+                try:
+                    self.add(self.ucx_run(label, test, size))
+                except RunError as e:
+                    self.add(failed(label, "ucx_perftest", test, size, str(e),
+                                    tool="ucx_perftest", backend="ucx"))
+
+    def ucx_once(self, label, size, iterations, tag):
+        """One ucx_perftest server + client; returns the numbers of its final line."""
+        env = self.env(UCX_TLS="tcp")
+        port = free_port()
+        server = Server(f"ucx_perftest-{label}-{size}", ["ucx_perftest", "-p", port], self.logs,
+                        env=env, port=port)
+        warmup = min(10000, max(10, iterations // 10))
+        try:
+            rc, output = self.client(
+                f"ucx_perftest-{label}-{size}-{tag}",
+                ["ucx_perftest", HOST, "-p", port, "-t", label, "-s", size, "-n", iterations,
+                 "-w", warmup, "-f"], env=env)
+        finally:
+            server.wait_exit(5)
+        # With -f the result is one line of 8 numbers ('Final:' in front without -f).
+        final = re.findall(r"^(?:Final:)?\s*((?:[\d.]+\s+){7}[\d.]+)\s*$", output, re.M)
+        if rc != 0 or not final:
+            raise RunError(f"exit {rc}: {tail(output)}")
+        return [float(v) for v in final[-1].split()]
+        # iterations, p50 (or latency percentile), average, overall, MB/s average, overall,
+        # msg/s average, overall
+
+    def ucx_run(self, label, test, size):
+        # ucx_perftest runs a number of iterations, not a time: a short calibration run
+        # first, then as many iterations as fit in --duration at the calibrated rate.
+        if test == "throughput":
+            guess = min(1e6, 1e9 / size)
+            rate = lambda v: v[7]  # noqa: E731 - overall message rate
+        else:
+            guess = 20000.0
+            rate = lambda v: 1e6 / (2 * v[3])  # noqa: E731 - round trips per second
+        calibration = self.ucx_once(label, size, max(20, int(guess * 0.2)), "calibration")
+        iterations = max(100, int(rate(calibration) * self.args.duration))
+        v = self.ucx_once(label, size, iterations, "run")
+        if test == "throughput":
+            per_s = v[7]
+            return record(label, "ucx_perftest", tool="ucx_perftest", backend="ucx",
+                          send="ucp_am_bw", test=test, size=size, duration_s=v[0] / per_s,
+                          messages=int(v[0]), bytes=int(v[0]) * size, msgs_per_s=per_s,
+                          bytes_per_s=per_s * size, note="UCX_TLS=tcp; overall message rate")
+        # Latency tests print half the round trip: doubled here.
+        round_trips = 1e6 / (2 * v[3])
+        return record(label, "ucx_perftest", tool="ucx_perftest", backend="ucx",
+                      send="ucp_am_lat", test=test, size=size, duration_s=v[0] / round_trips,
+                      messages=int(v[0]), bytes=int(v[0]) * size, msgs_per_s=round_trips,
+                      bytes_per_s=round_trips * size, p50_us=2 * v[1], one_way_p50_us=v[1],
+                      note="UCX_TLS=tcp; round trip = 2 x ucx_perftest's latency")
+
+    # -- all --
+
+    def run(self):
+        self.sizes = self.args.sizes
+        self.latency_sizes = [s for s in LATENCY_SIZES if s in self.sizes] or self.sizes[:1]
+        for d in (self.logs, self.runs):
+            d.mkdir(parents=True, exist_ok=True)
+        steps = {
+            "netio3": self.netio3,
+            "iperf3": self.iperf3,
+            "sockperf": self.sockperf,
+            "ucx_perftest": self.ucx_perftest,
+            "raw-fabric": lambda: self.raw("raw-libfabric", "raw-fabric", ["--provider", "tcp"],
+                                           {"throughput": "raw-libfabric",
+                                            "latency": "raw-libfabric"}),
+            "zmq": lambda: self.raw("zmq", "raw-zmq", ["--bind", HOST],
+                                    {"throughput": "zmq push-pull", "latency": "zmq req-rep"}),
+        }
+        for group in GROUPS:
+            if group in self.args.only:
+                steps[group]()
+
+
+# ---- ratios and tables -------------------------------------------------------------------
+
+def find(records, label, test, size):
+    for r in records:
+        if r["label"] == label and r["test"] == test and r["size"] == size:
+            return r
+    return None
+
+
+def value(r, metric):
+    return {"bw": r.get("bytes_per_s"), "rate": r.get("msgs_per_s"), "p50": r.get("p50_us")}[metric]
+
+
+def ratio_rows(records, sizes, latency_sizes):
+    """(what, size, numerator label, denominator label, ratio or None, target, verdict)."""
+    specs = []
+    for send in ("buffered", "copy"):
+        for size in sizes:
+            specs.append((f"asyncmsg {send} / iperf3 bandwidth", size, f"asyncmsg {send}",
+                          "throughput", "iperf3", "throughput", "bw",
+                          (">=", 0.9) if size == 1048576 else None))
+    for send in ("copy", "buffered"):
+        if 64 in sizes:
+            specs.append((f"asyncmsg {send} / zmq push-pull msg rate", 64, f"asyncmsg {send}",
+                          "throughput", "zmq push-pull", "throughput", "rate", (">=", 1.0)))
+    for send in ("buffered", "copy"):
+        for size in latency_sizes:
+            specs.append((f"asyncmsg {send} / sockperf latency p50", size, f"asyncmsg {send}",
+                          "latency", "sockperf pp", "latency", "p50", ("<=", 1.3)))
+    ucx_target = {64: (">=", 0.8), 65536: (">=", 0.9), 1048576: (">=", 0.9)}
+    for send in ("buffered", "copy"):
+        for size in sizes:
+            specs.append((f"ucx {send} / ucp_am_bw msg rate", size, f"ucx {send}", "throughput",
+                          "ucp_am_bw", "throughput", "rate", ucx_target.get(size)))
+    for send in ("buffered", "copy"):
+        for size in latency_sizes:
+            specs.append((f"ucx {send} / ucp_am_lat latency p50", size, f"ucx {send}",
+                          "latency", "ucp_am_lat", "latency", "p50", ("<=", 1.3)))
+    for size in sizes:
+        specs.append(("libfabric buffered / raw-libfabric msg rate", size, "libfabric buffered",
+                      "throughput", "raw-libfabric", "throughput", "rate", ucx_target.get(size)))
+    for size in latency_sizes:
+        specs.append(("libfabric buffered / raw-libfabric latency p50", size,
+                      "libfabric buffered", "latency", "raw-libfabric", "latency", "p50", None))
+
+    rows = []
+    for what, size, num, num_test, den, den_test, metric, target in specs:
+        a, b = find(records, num, num_test, size), find(records, den, den_test, size)
+        missing = [f"{lbl}: {r['status'] if r else 'not run'}" for lbl, r in ((num, a), (den, b))
+                   if r is None or r["status"] != "ok" or value(r, metric) is None]
+        if missing:
+            rows.append((what, size, None, target, "n/a (" + "; ".join(missing) + ")"))
+            continue
+        va, vb = value(a, metric), value(b, metric)
+        ratio = va / vb if vb else None
+        if ratio is None:
+            verdict = "n/a (reference is 0)"
+        elif target is None:
+            verdict = "info"
+        else:
+            op, t = target
+            verdict = "pass" if (ratio >= t if op == ">=" else ratio <= t) else "FAIL"
+        rows.append((what, size, ratio, target, verdict))
+    return rows
+
+
+def fmt_num(v, digits=0):
+    if v is None:
+        return "-"
+    return f"{v:,.{digits}f}"
+
+
+def run_rows(records, size):
+    rows = []
+    for r in records:
+        if r["size"] != size:
+            continue
+        ok = r["status"] == "ok"
+        lat = r["test"] == "latency"
+        status = "ok" if ok else f"{r['status']}: {r['error']}"
+        if ok and r.get("intact") is None:
+            status = "ok (not checked)"
+        rows.append((r["label"], r["test"], fmt_num(r["msgs_per_s"]) if ok else "-",
+                     fmt_num(r["bytes_per_s"] / 1e6, 1) if ok and r["bytes_per_s"] else "-",
+                     fmt_num(r["p50_us"], 1) if ok and lat else "-",
+                     fmt_num(r["p99_us"], 1) if ok and lat else "-", status))
+    return rows
+
+
+RUN_HEAD = ("run", "test", "msg/s", "MB/s", "p50 RTT us", "p99 RTT us", "status")
+RATIO_HEAD = ("ratio", "size", "value", "target", "verdict")
+
+
+def ratio_cells(rows):
+    out = []
+    for what, size, ratio, target, verdict in rows:
+        out.append((what, size_name(size), f"{ratio:.2f}" if ratio is not None else "-",
+                    f"{target[0]} {target[1]}" if target else "-", verdict))
+    return out
+
+
+def text_table(head, rows, wrap_last=70):
+    rows = [tuple(str(c) for c in r) for r in rows]
+    widths = [max(len(head[i]), *(len(r[i]) for r in rows)) if rows else len(head[i])
+              for i in range(len(head))]
+    widths[-1] = min(widths[-1], wrap_last)
+    line = lambda cells: "  ".join(  # noqa: E731
+        c.ljust(w) if i == 0 or i == len(cells) - 1 else c.rjust(w)
+        for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+    out = [line(head), line(["-" * w for w in widths])]
+    for r in rows:
+        last = r[-1]
+        if len(last) > wrap_last:
+            last = last[: wrap_last - 3] + "..."
+        out.append(line(r[:-1] + (last,)))
+    return "\n".join(out)
+
+
+def md_table(head, rows):
+    esc = lambda s: str(s).replace("|", "\\|")  # noqa: E731
+    out = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    out += ["| " + " | ".join(esc(c) for c in r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def machine_line():
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"{platform.node()}, {cpu}, {os.cpu_count()} CPUs, Linux {platform.release()}"
+
+
+# ---- plot --------------------------------------------------------------------------------
+
+def plot(records, out):
+    gnuplot = shutil.which("gnuplot")
+    if gnuplot is None:
+        return "gnuplot not installed: no plot"
+    series = {}
+    for r in records:
+        if r["test"] == "throughput" and r["status"] == "ok" and r["msgs_per_s"]:
+            series.setdefault((r["label"], r["group"] == "netio3"), []).append((r["size"], r["bytes_per_s"] / 1e6,
+                                                      r["msgs_per_s"]))
+    if not series:
+        return "no throughput results: no plot"
+    data_dir = out / "plot"
+    data_dir.mkdir(exist_ok=True)
+    files = []
+    for i, ((label, ours), points) in enumerate(series.items()):
+        path = data_dir / f"series{i}.dat"
+        path.write_text("".join(f"{s} {mb} {mps}\n" for s, mb, mps in sorted(points)))
+        files.append((label if ours else f"{label} (reference)", path, ours))
+    sizes = sorted({s for points in series.values() for s, _, _ in points})
+    terminals = subprocess.run([gnuplot, "-e", "set terminal"], capture_output=True,
+                               text=True).stdout + subprocess.run(
+        [gnuplot, "-e", "set terminal"], capture_output=True, text=True).stderr
+    term = ("pngcairo size 1600,700 font ',11'" if "pngcairo" in terminals
+            else "png size 1600,700")
+    tics = ", ".join(f'"{size_name(s)}" {s}' for s in sizes)
+
+    def plots(column):
+        # netio3 solid, references dashed
+        return ", ".join(f"'{p}' using 1:{column} with linespoints lw 2 "
+                         f"dashtype {1 if ours else 2} title '{label}'"
+                         for label, p, ours in files)
+
+    script = f"""
+set terminal {term}
+set output '{out / "compare.png"}'
+set multiplot layout 1,2 title "netio3 backends and raw references, loopback TCP ({machine_line().split(',')[0]})"
+set logscale x 2
+set xrange [{sizes[0] / 1.6}:{sizes[-1] * 1.6}]
+set logscale y 10
+set xtics ({tics})
+set xlabel 'message size'
+set grid
+set key top left font ',9'
+set title 'throughput'
+set ylabel 'MB/s (10^6 bytes/s)'
+plot {plots(2)}
+set title 'message rate'
+set ylabel 'messages/s'
+set key top right font ',9'
+plot {plots(3)}
+unset multiplot
+"""
+    (data_dir / "compare.gp").write_text(script)
+    done = subprocess.run([gnuplot, str(data_dir / "compare.gp")], capture_output=True,
+                          text=True)
+    if done.returncode != 0:
+        return f"gnuplot failed: {tail(done.stderr)}"
+    return f"plot: {out / 'compare.png'}"
+
+
+# ---- main --------------------------------------------------------------------------------
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="bench/compare", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="1 s runs (smoke test)")
+    p.add_argument("--duration", type=float, help="seconds per run (default 5, --quick 1)")
+    p.add_argument("--out", default=str(ROOT / "build/compare-results"),
+                   help="output folder (default build/compare-results)")
+    p.add_argument("--build-dir", default=str(ROOT / "build/release"),
+                   help="where the programs are built (default build/release)")
+    p.add_argument("--sizes", default=",".join(map(str, SIZES)),
+                   help="message sizes in bytes, comma separated (default 64,4096,65536,1048576)")
+    p.add_argument("--only", default=",".join(GROUPS),
+                   help=f"what to run, comma separated (default all: {','.join(GROUPS)})")
+    args = p.parse_args(argv)
+    if args.duration is None:
+        args.duration = 1.0 if args.quick else 5.0
+    if not args.duration > 0:
+        p.error("--duration must be positive")
+    try:
+        args.sizes = [int(s) for s in args.sizes.split(",") if s]
+    except ValueError:
+        p.error("--sizes takes whole numbers")
+    if not args.sizes or min(args.sizes) < 16:
+        p.error("--sizes: at least one size, each at least 16 bytes")
+    args.only = [g for g in args.only.split(",") if g]
+    unknown = set(args.only) - set(GROUPS)
+    if unknown:
+        p.error(f"--only: unknown {', '.join(sorted(unknown))}")
+    return args
+
+
+def main(argv):
+    args = parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    def on_signal(signum, _frame):
+        stop_all_servers()
+        print(f"\nbench/compare: stopped by signal {signum}", file=sys.stderr)
+        sys.exit(128 + signum)
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+
+    started = datetime.datetime.now()
+    runner = Runner(args)
+    try:
+        runner.run()
+    finally:
+        stop_all_servers()
+    records = runner.records
+
+    with open(out / "results.jsonl", "w") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+
+    header = (f"bench/compare {started:%Y-%m-%d %H:%M}, {args.duration:g} s per run, "
+              f"loopback {HOST}, two processes per run\n{machine_line()}")
+    sections = []
+    md = [f"## netio3 vs. raw references\n\n{header.replace(chr(10), '  ' + chr(10))}\n"]
+    rows = ratio_cells(ratio_rows(records, runner.sizes, runner.latency_sizes))
+    sections.append("Ratios (netio3 / reference; latency = round trip p50; sockperf and "
+                    "ucx_perftest one-way latencies doubled)\n" + text_table(RATIO_HEAD, rows))
+    md.append("### Ratios\n\nnetio3 / reference. Latency is the round-trip p50; sockperf's and "
+              "ucx_perftest's one-way latencies are doubled to round trips.\n\n"
+              + md_table(RATIO_HEAD, rows) + "\n")
+    md.append("### Runs\n\nMB/s = 10^6 bytes/s. Latency runs: msg/s = round trips/s.\n")
+    for size in runner.sizes:
+        rows = run_rows(records, size)
+        if rows:
+            sections.insert(len(sections) - 1, f"{size_name(size)}\n" + text_table(RUN_HEAD, rows))
+            md.append(f"#### {size_name(size)}\n\n" + md_table(RUN_HEAD, rows) + "\n")
+    (out / "ratios.md").write_text("\n".join(md))
+    plot_note = plot(records, out)
+
+    print()
+    print(header)
+    print("MB/s = 10^6 bytes/s; latency runs: msg/s = round trips/s, p50/p99 = round trip.\n")
+    print("\n\n".join(sections))
+    print()
+    print(f"results: {out / 'results.jsonl'}; table: {out / 'ratios.md'}; {plot_note}")
+
+    netio3 = [r for r in records if r["group"] == "netio3"]
+    lost = [r for r in netio3 if r["status"] == "lost"]
+    broken = [r for r in netio3 if r["status"] == "failed"]
+    if lost:
+        print(f"bench/compare: {len(lost)} netio3 run(s) lost or damaged data", file=sys.stderr)
+        return 1
+    if broken:
+        print(f"bench/compare: {len(broken)} netio3 run(s) failed", file=sys.stderr)
+        return 3
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
