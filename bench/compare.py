@@ -287,13 +287,17 @@ class Runner:
         lines = json_path.read_text().splitlines() if json_path.exists() else []
         if not lines:
             raise RunError(f"exit {rc}, no result: {tail(output)}")
-        r = record(label, group, **json.loads(lines[-1]))
-        if r.get("intact") is False:
+        data = json.loads(lines[-1])
+        why = data.pop("error", None) or tail(output, 2)
+        r = record(label, group, **data)
+        # Exit 1: data lost, damaged or reordered (netio3-perf, raw programs); any other
+        # non-zero exit: the run could not be done (netio3-perf: 3).
+        if rc == 1 and r.get("intact") is False:
             r["status"] = "lost"
-            r["error"] = f"data lost or damaged (exit {rc}): {tail(output, 1)}"
-        elif rc != 0:
+            r["error"] = f"data lost or damaged: {why}"
+        elif rc != 0 or not r.get("intact"):
             r["status"] = "failed"
-            r["error"] = f"exit {rc}: {tail(output)}"
+            r["error"] = f"exit {rc}: {why}"
         r["test"], r["size"] = test, size
         return r
 
