@@ -1,0 +1,54 @@
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <netio3/netio3.hpp>
+
+#include "protocol.hpp"
+
+namespace netio3::perf {
+
+enum class SendKind { BUFFERED, ZERO_COPY, COPY };
+[[nodiscard]] std::string_view to_string(SendKind kind);
+[[nodiscard]] std::optional<SendKind> parse_send_kind(std::string_view text);
+
+struct ClientOptions {
+  BackendType backend{BackendType::ASYNCMSG};
+  NetworkMode mode{NetworkMode::TCP};
+  SendKind send{SendKind::BUFFERED};
+  Test test{Test::THROUGHPUT};
+  std::size_t size{4096};  // bytes per message, netio3-perf's header included
+  std::chrono::duration<double> duration{5.0};
+  std::size_t connections{1};
+  std::size_t threads{0};  // 0: send from the loop thread (UNSAFE backend)
+  std::size_t window{0};   // buffers / zero-copy slots per connection; 0: auto
+  Verify verify{Verify::LIGHT};
+  std::size_t warmup{1000};  // latency: round trips left out of the statistics
+  bool progress{false};      // a live line on stderr
+};
+
+struct RunResult {
+  bool ok{false};      // ran to the end (connections, sends and the server's reports)
+  bool intact{false};  // every message arrived, in order, with the right size and content
+  std::string error;   // why not, when !ok or !intact
+  std::uint64_t messages{0};
+  std::uint64_t bytes{0};
+  double seconds{0};
+  double msgs_per_s{0};
+  double bytes_per_s{0};
+  double cpu_ns_per_msg{0};                       // this process
+  double server_cpu_ns_per_msg{0};                // the server process (from its report)
+  std::optional<double> p50_us, p99_us, p999_us;  // latency: round trip
+  std::size_t window{0};
+};
+
+// One run against the server at `server`: connects, runs the test for the duration,
+// collects the server's reports, closes.
+[[nodiscard]] RunResult run_client(const ClientOptions& options, const EndPointAddress& server);
+
+}  // namespace netio3::perf
