@@ -359,8 +359,8 @@ class Runner:
 
             self.run_json_suite(
                 "netio3", f"netio3-{backend}", lambda send, test, b=backend: f"{b} {send}",
-                [perf, "--server", "--backend", backend, "--mode", "tcp", "--max-size",
-                 MAX_SIZE], client_argv, plan_for[backend], env)
+                [perf, "--server", "--backend", backend, "--mode", "tcp", "--bind", HOST,
+                 "--max-size", MAX_SIZE], client_argv, plan_for[backend], env)
 
     def raw(self, group, key, server_extra, labels):
         binary = self.bins[key]
@@ -734,8 +734,9 @@ def plot(records, out):
     series = {}
     for r in records:
         if r["test"] == "throughput" and r["status"] == "ok" and r["msgs_per_s"]:
-            series.setdefault((r["label"], r["group"] == "netio3"), []).append((r["size"], r["bytes_per_s"] / 1e6,
-                                                      r["msgs_per_s"]))
+            key = (r["label"], r["group"] == "netio3")
+            series.setdefault(key, []).append((r["size"], r["bytes_per_s"] / 1e6,
+                                               r["msgs_per_s"]))
     if not series:
         return "no throughput results: no plot"
     data_dir = out / "plot"
@@ -759,10 +760,11 @@ def plot(records, out):
                          f"dashtype {1 if ours else 2} title '{label}'"
                          for label, p, ours in files)
 
+    title = f"netio3 backends and raw references, loopback TCP, {machine_line()}"
     script = f"""
 set terminal {term}
 set output '{out / "compare.png"}'
-set multiplot layout 1,2 title "netio3 backends and raw references, loopback TCP ({machine_line().split(',')[0]})"
+set multiplot layout 1,2 title "{title}"
 set logscale x 2
 set xrange [{sizes[0] / 1.6}:{sizes[-1] * 1.6}]
 set logscale y 10
