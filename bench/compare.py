@@ -762,7 +762,7 @@ def plot(records, out):
 
     title = f"netio3 backends and raw references, loopback TCP, {machine_line()}"
     script = f"""
-set terminal {term}
+set terminal {term} noenhanced
 set output '{out / "compare.png"}'
 set multiplot layout 1,2 title "{title}"
 set logscale x 2
@@ -773,7 +773,7 @@ set xlabel 'message size'
 set grid
 set key top left font ',9'
 set title 'throughput'
-set ylabel 'MB/s (10^6 bytes/s)'
+set ylabel 'MB/s (1 MB = 10^6 bytes)'
 plot {plots(2)}
 set title 'message rate'
 set ylabel 'messages/s'

@@ -365,32 +365,35 @@ void serve_latency(const Context& ctx, Socket& ctrl, const Options& options, con
   const std::uint64_t cpu_start = process_cpu_ns();
   reply(ctrl.get(), start, fmt::format("ok {}", rep.bound_port()));
 
+  // The echo loop blocks in zmq_msg_recv, the way a REP server is usually written; the
+  // control socket is looked at when the data socket has been quiet for kPollMs.
+  rep.set(ZMQ_RCVTIMEO, kPollMs);
   auto last_activity = Clock::now();
-  zmq_pollitem_t items[] = {{rep.get(), 0, ZMQ_POLLIN, 0}, {ctrl.get(), 0, ZMQ_POLLIN, 0}};
   while (g_stop == 0) {
+    Message msg;
+    if (zmq_msg_recv(msg.get(), rep.get(), 0) >= 0) {
+      if (zmq_msg_send(msg.get(), rep.get(), 0) < 0) {
+        std::fprintf(stderr, "netio3-raw-zmq: %s\n", Socket::error("echo").c_str());
+        return;
+      }
+      last_activity = Clock::now();
+      continue;
+    }
+    const int error = zmq_errno();
+    if (error != EAGAIN && error != EINTR) {
+      std::fprintf(stderr, "netio3-raw-zmq: %s\n", Socket::error("zmq_msg_recv").c_str());
+      return;
+    }
+    while (auto request = receive_request(ctrl.get())) {
+      if (request->text == "done") {
+        reply(ctrl.get(), *request, fmt::format("done {}", process_cpu_ns() - cpu_start));
+        return;
+      }
+      reply(ctrl.get(), *request, "busy");
+    }
     if (Clock::now() - last_activity > kIdleTimeout) {
       std::fprintf(stderr, "netio3-raw-zmq: session idle for 10 s, ending it\n");
       return;
-    }
-    if (zmq_poll(items, 2, kPollMs) < 0) continue;
-    if ((items[0].revents & ZMQ_POLLIN) != 0) {
-      last_activity = Clock::now();
-      // Echo everything that is waiting; a REP socket alternates receive and send.
-      for (;;) {
-        Message msg;
-        if (zmq_msg_recv(msg.get(), rep.get(), ZMQ_DONTWAIT) < 0) break;
-        if (zmq_msg_send(msg.get(), rep.get(), 0) < 0) break;
-      }
-    }
-    if ((items[1].revents & ZMQ_POLLIN) != 0) {
-      while (auto request = receive_request(ctrl.get())) {
-        last_activity = Clock::now();
-        if (request->text == "done") {
-          reply(ctrl.get(), *request, fmt::format("done {}", process_cpu_ns() - cpu_start));
-          return;
-        }
-        reply(ctrl.get(), *request, "busy");
-      }
     }
   }
 }
