@@ -310,8 +310,19 @@ void check_data(ThroughputState& state, Message& msg) {
   state.bytes += size;
 }
 
-void serve_throughput(const Context& ctx, Socket& ctrl, const Options& options,
-                      const Request& start, std::size_t size) {
+// A session request ("throughput SIZE", "latency SIZE") while a session runs means that its
+// client went away without finishing (clients come one after another): the session ends and
+// the request is served next.
+bool is_session_request(const Request& request) {
+  return request.text.starts_with("throughput ") || request.text.starts_with("latency ");
+}
+
+void abandon(const char* what) {
+  std::fprintf(stderr, "netio3-raw-zmq: %s session abandoned for a new client\n", what);
+}
+
+std::optional<Request> serve_throughput(const Context& ctx, Socket& ctrl, const Options& options,
+                                        const Request& start, std::size_t size) {
   Socket pull{ctx, ZMQ_PULL};
   pull.set(ZMQ_RCVHWM, hwm_for(size));
   pull.bind(fmt::format("tcp://{}:*", options.bind_ip));
@@ -342,8 +353,11 @@ void serve_throughput(const Context& ctx, Socket& ctrl, const Options& options,
         last_activity = Clock::now();
         if (request->text == "report") {
           state.report_request = std::move(request);
+        } else if (is_session_request(*request)) {
+          abandon("throughput");
+          return request;
         } else {
-          reply(ctrl.get(), *request, "busy");
+          reply(ctrl.get(), *request, "error bad request");
         }
       }
     }
@@ -354,10 +368,11 @@ void serve_throughput(const Context& ctx, Socket& ctrl, const Options& options,
           fmt::format("report {} {} {} {}", state.received, state.bytes, intact ? 1 : 0,
                       process_cpu_ns() - cpu_start));
   }
+  return std::nullopt;
 }
 
-void serve_latency(const Context& ctx, Socket& ctrl, const Options& options, const Request& start,
-                   std::size_t size) {
+std::optional<Request> serve_latency(const Context& ctx, Socket& ctrl, const Options& options,
+                                     const Request& start, std::size_t size) {
   Socket rep{ctx, ZMQ_REP};
   rep.set(ZMQ_RCVHWM, hwm_for(size));
   rep.set(ZMQ_SNDHWM, hwm_for(size));
@@ -374,7 +389,7 @@ void serve_latency(const Context& ctx, Socket& ctrl, const Options& options, con
     if (zmq_msg_recv(msg.get(), rep.get(), 0) >= 0) {
       if (zmq_msg_send(msg.get(), rep.get(), 0) < 0) {
         std::fprintf(stderr, "netio3-raw-zmq: %s\n", Socket::error("echo").c_str());
-        return;
+        return std::nullopt;
       }
       last_activity = Clock::now();
       continue;
@@ -382,20 +397,25 @@ void serve_latency(const Context& ctx, Socket& ctrl, const Options& options, con
     const int error = zmq_errno();
     if (error != EAGAIN && error != EINTR) {
       std::fprintf(stderr, "netio3-raw-zmq: %s\n", Socket::error("zmq_msg_recv").c_str());
-      return;
+      return std::nullopt;
     }
     while (auto request = receive_request(ctrl.get())) {
       if (request->text == "done") {
         reply(ctrl.get(), *request, fmt::format("done {}", process_cpu_ns() - cpu_start));
-        return;
+        return std::nullopt;
       }
-      reply(ctrl.get(), *request, "busy");
+      if (is_session_request(*request)) {
+        abandon("latency");
+        return request;
+      }
+      reply(ctrl.get(), *request, "error bad request");
     }
     if (Clock::now() - last_activity > kIdleTimeout) {
       std::fprintf(stderr, "netio3-raw-zmq: session idle for 10 s, ending it\n");
-      return;
+      return std::nullopt;
     }
   }
+  return std::nullopt;
 }
 
 int run_server(const Options& options) {
@@ -406,34 +426,39 @@ int run_server(const Options& options) {
   std::printf("listening on %s:%u\n", options.bind_ip.c_str(), unsigned{ctrl.bound_port()});
   std::fflush(stdout);
 
+  std::optional<Request> next;  // a request that ended the previous session
   zmq_pollitem_t items[] = {{ctrl.get(), 0, ZMQ_POLLIN, 0}};
   while (g_stop == 0) {
-    if (zmq_poll(items, 1, kPollMs) <= 0) continue;
-    while (auto request = receive_request(ctrl.get())) {
-      const std::string_view text = request->text;
-      const auto space = text.find(' ');
-      const std::string_view kind = text.substr(0, space);
-      std::size_t size = 0;
-      try {
-        if (space == std::string_view::npos) throw UsageError{};
-        size = parse_number<std::size_t>(text.substr(space + 1), "size");
-        if (size == 0) throw UsageError{};
-      } catch (const UsageError&) {
+    std::optional<Request> request = std::move(next);
+    next.reset();
+    if (!request) {
+      if (zmq_poll(items, 1, kPollMs) <= 0) continue;
+      request = receive_request(ctrl.get());
+      if (!request) continue;
+    }
+    const std::string_view text = request->text;
+    const auto space = text.find(' ');
+    const std::string_view kind = text.substr(0, space);
+    std::size_t size = 0;
+    try {
+      if (space == std::string_view::npos) throw UsageError{};
+      size = parse_number<std::size_t>(text.substr(space + 1), "size");
+      if (size == 0) throw UsageError{};
+    } catch (const UsageError&) {
+      reply(ctrl.get(), *request, "error bad request");
+      continue;
+    }
+    try {
+      if (kind == "throughput") {
+        next = serve_throughput(ctx, ctrl, options, *request, size);
+      } else if (kind == "latency") {
+        next = serve_latency(ctx, ctrl, options, *request, size);
+      } else {
         reply(ctrl.get(), *request, "error bad request");
-        continue;
       }
-      try {
-        if (kind == "throughput") {
-          serve_throughput(ctx, ctrl, options, *request, size);
-        } else if (kind == "latency") {
-          serve_latency(ctx, ctrl, options, *request, size);
-        } else {
-          reply(ctrl.get(), *request, "error bad request");
-        }
-      } catch (const std::exception& e) {
-        std::fprintf(stderr, "netio3-raw-zmq: session failed: %s\n", e.what());
-        reply(ctrl.get(), *request, fmt::format("error {}", e.what()));
-      }
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "netio3-raw-zmq: session failed: %s\n", e.what());
+      reply(ctrl.get(), *request, fmt::format("error {}", e.what()));
     }
   }
   return 0;
@@ -552,6 +577,7 @@ Result run_throughput(const Context& ctx, Socket& ctrl, const Options& options,
     }
     ++sent;
   }
+  if (g_stop != 0 && r.error.empty()) r.error = "interrupted";
   unsigned char end_marker[kEndMarkerSize];
   put_u64(end_marker, kEndMagic, 8);
   put_u64(end_marker + 8, sent, 8);
@@ -644,6 +670,7 @@ Result run_latency(const Context& ctx, Socket& ctrl, const Options& options,
           std::chrono::duration_cast<std::chrono::nanoseconds>(now - before).count()));
     }
   }
+  if (g_stop != 0 && r.error.empty()) r.error = "interrupted";
   r.duration_s = std::chrono::duration<double>(now - start).count();
   r.cpu_ns = process_cpu_ns() - cpu_start;
   r.messages = samples.size();
