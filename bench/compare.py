@@ -4,10 +4,13 @@ on this machine over loopback, and compares them. Started by bench/compare, whic
 the tools and builds first; see docs/benchmarks.md.
 
 Every run is two processes on 127.0.0.1: a server in the background, a client in the
-foreground. All records go to OUT/results.jsonl in the common keys of the bench programs
-(references converted); the table is printed and written as OUT/ratios.md; OUT/compare.png
-plots throughput and message rate against message size. Server and client output is kept in
-OUT/logs/.
+foreground. The whole plan runs in --repeat rounds; every round runs every group once, the
+groups in the opposite order in every other round, so that a netio3 run and its reference are
+taken close in time and neither always goes first. All records go to OUT/results.jsonl in the
+common keys of the bench programs (references converted), each with its `round`; the tables
+(printed and written as OUT/ratios.md) and OUT/compare.png (throughput and message rate
+against message size) use the median over the rounds, the ratio table also the range of the
+per-round ratios. Server and client output is kept in OUT/logs/.
 
 Exit status: 0 done (whatever the ratios say), 1 a netio3 run reported lost or damaged data,
 3 a netio3 run failed (crash, timeout, no result), 2 bad options.
@@ -24,6 +27,7 @@ import re
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import threading
@@ -35,10 +39,14 @@ HOST = "127.0.0.1"
 SIZES = [64, 4096, 65536, 1048576]
 LATENCY_SIZES = [64, 4096]
 MAX_SIZE = 1048576 + 64  # netio3-perf --max-size: the largest message plus room for headers
-BACKENDS = ["asyncmsg", "libfabric", "ucx"]
 COPY_BACKENDS = {"asyncmsg", "ucx"}  # send_data_copy is supported there
 SOCKPERF_MAX = 1048575  # sockperf's largest -m
 GROUPS = ["netio3", "iperf3", "sockperf", "ucx_perftest", "raw-fabric", "zmq"]
+# The order of one round: (group, netio3 backend or None). Each netio3 backend sits next to
+# its references; every other round runs this list backwards.
+ROUND_ORDER = [("netio3", "asyncmsg"), ("iperf3", None), ("sockperf", None), ("zmq", None),
+               ("netio3", "ucx"), ("ucx_perftest", None), ("netio3", "libfabric"),
+               ("raw-fabric", None)]
 
 KEYS = ["tool", "backend", "mode", "send", "test", "size", "connections", "threads",
         "duration_s", "messages", "bytes", "msgs_per_s", "bytes_per_s", "gbit_per_s",
@@ -230,6 +238,8 @@ class Runner:
             "raw-zmq": self.build / "bench/raw/netio3-raw-zmq",
         }
         self.count = 0
+        self.round = 1
+        self.available = None  # backends netio3-perf was built with, asked once
 
     # -- helpers --
 
@@ -239,6 +249,7 @@ class Runner:
         return env
 
     def add(self, r):
+        r["round"] = self.round
         self.records.append(r)
         self.count += 1
         what = f"{r['label']} {r['test']} {size_name(r['size'])}"
@@ -248,9 +259,10 @@ class Runner:
             else:
                 value = (f"{r['msgs_per_s']:,.0f} msg/s, {r['bytes_per_s'] / 1e6:,.1f} MB/s"
                          if r["msgs_per_s"] is not None else "")
-            print(f"[{self.count:3}] {what:45} {value}", flush=True)
+            print(f"[{self.count:3}] r{self.round} {what:45} {value}", flush=True)
         else:
-            print(f"[{self.count:3}] {what:45} {r['status'].upper()}: {r['error']}", flush=True)
+            print(f"[{self.count:3}] r{self.round} {what:45} {r['status'].upper()}: "
+                  f"{r['error']}", flush=True)
 
     def client(self, name, argv, env=None, timeout=None):
         """Runs a client to its end; returns (returncode, stdout+stderr). The output is
@@ -270,7 +282,7 @@ class Runner:
         except OSError as e:
             raise RunError(f"cannot start {argv[0]}: {e}") from e
         with open(log, "a") as f:
-            f.write(f"$ {' '.join(argv)}\n{output}\n")
+            f.write(f"# round {self.round}\n$ {' '.join(argv)}\n{output}\n")
         if rc is None:
             raise RunError(f"timed out after {timeout:.0f} s: {tail(output)}")
         return rc, output
@@ -281,7 +293,7 @@ class Runner:
     # -- netio3-perf and the raw programs: same CLI, JSON Lines output --
 
     def json_client(self, label, group, name, argv, env, test, size):
-        json_path = self.runs / f"{name}.jsonl"
+        json_path = self.runs / f"{name}-r{self.round}.jsonl"
         json_path.unlink(missing_ok=True)
         rc, output = self.client(name, argv + ["--json", json_path], env=env)
         lines = json_path.read_text().splitlines() if json_path.exists() else []
@@ -320,47 +332,48 @@ class Runner:
         if server is not None:
             server.stop()
 
-    def netio3(self):
+    def netio3_plan(self, backend):
+        """(send, test, size) of one backend: buffered, copy (where supported) and zero-copy
+        throughput; buffered and copy latency."""
+        sends = ["buffered", "copy"] if backend in COPY_BACKENDS else ["buffered"]
+        return ([(s, "throughput", n) for n in self.sizes for s in sends + ["zero-copy"]] +
+                [(s, "latency", n) for n in self.latency_sizes for s in sends])
+
+    def netio3(self, backend):
         perf = self.bins["netio3-perf"]
-        plan_for = {}
-        for backend in BACKENDS:
-            sends = ["buffered", "copy"] if backend in COPY_BACKENDS else ["buffered"]
-            plan_for[backend] = ([(s, "throughput", n) for n in self.sizes for s in sends] +
-                                 [(s, "latency", n) for n in self.latency_sizes for s in sends])
+        plan = self.netio3_plan(backend)
+        why = None
         if not perf.exists():
-            for backend in BACKENDS:
-                for send, test, size in plan_for[backend]:
-                    self.add(failed(f"{backend} {send}", "netio3", test, size,
-                                    f"{rel(perf)} not built", status="missing",
-                                    tool="netio3-perf", backend=backend, send=send))
+            why = f"{rel(perf)} not built"
+        else:
+            if self.available is None:
+                try:
+                    listed = subprocess.run([perf, "--list-backends"], capture_output=True,
+                                            text=True, timeout=30).stdout
+                except (OSError, subprocess.TimeoutExpired) as e:
+                    listed = ""
+                    print(f"netio3-perf --list-backends failed: {e}", file=sys.stderr)
+                self.available = set(re.findall(r"[a-z]+", listed))
+            if backend not in self.available:
+                why = "backend not compiled in (netio3-perf --list-backends)"
+        if why:
+            for send, test, size in plan:
+                self.add(failed(f"{backend} {send}", "netio3", test, size, why,
+                                status="missing", tool="netio3-perf", backend=backend,
+                                send=send))
             return
-        try:
-            listed = subprocess.run([perf, "--list-backends"], capture_output=True, text=True,
-                                    timeout=30).stdout
-        except (OSError, subprocess.TimeoutExpired) as e:
-            listed = ""
-            print(f"netio3-perf --list-backends failed: {e}", file=sys.stderr)
-        available = set(re.findall(r"[a-z]+", listed))
-        for backend in BACKENDS:
-            if backend not in available:
-                for send, test, size in plan_for[backend]:
-                    self.add(failed(f"{backend} {send}", "netio3", test, size,
-                                    "backend not compiled in (netio3-perf --list-backends)",
-                                    status="missing", tool="netio3-perf", backend=backend,
-                                    send=send))
-                continue
-            # UCX over TCP for both processes, as for ucx_perftest.
-            env = self.env(UCX_TLS="tcp") if backend == "ucx" else self.env()
-            d = self.args.duration
+        # UCX over TCP for both processes, as for ucx_perftest.
+        env = self.env(UCX_TLS="tcp") if backend == "ucx" else self.env()
+        d = self.args.duration
 
-            def client_argv(address, send, test, size, backend=backend):
-                return [perf, "--client", address, "--backend", backend, "--mode", "tcp",
-                        "--send", send, "--size", size, "--duration", d, "--test", test]
+        def client_argv(address, send, test, size):
+            return [perf, "--client", address, "--backend", backend, "--mode", "tcp",
+                    "--send", send, "--size", size, "--duration", d, "--test", test]
 
-            self.run_json_suite(
-                "netio3", f"netio3-{backend}", lambda send, test, b=backend: f"{b} {send}",
-                [perf, "--server", "--backend", backend, "--mode", "tcp", "--bind", HOST,
-                 "--max-size", MAX_SIZE], client_argv, plan_for[backend], env)
+        self.run_json_suite(
+            "netio3", f"netio3-{backend}", lambda send, test: f"{backend} {send}",
+            [perf, "--server", "--backend", backend, "--mode", "tcp", "--bind", HOST,
+             "--max-size", MAX_SIZE], client_argv, plan, env)
 
     def raw(self, group, key, server_extra, labels):
         binary = self.bins[key]
@@ -566,13 +579,9 @@ class Runner:
 
     # -- all --
 
-    def run(self):
-        self.sizes = self.args.sizes
-        self.latency_sizes = [s for s in LATENCY_SIZES if s in self.sizes] or self.sizes[:1]
-        for d in (self.logs, self.runs):
-            d.mkdir(parents=True, exist_ok=True)
+    def units(self):
+        """One round's steps, (name, function), in ROUND_ORDER, those --only picks."""
         steps = {
-            "netio3": self.netio3,
             "iperf3": self.iperf3,
             "sockperf": self.sockperf,
             "ucx_perftest": self.ucx_perftest,
@@ -582,28 +591,93 @@ class Runner:
             "zmq": lambda: self.raw("zmq", "raw-zmq", ["--bind", HOST],
                                     {"throughput": "zmq push-pull", "latency": "zmq req-rep"}),
         }
-        for group in GROUPS:
-            if group in self.args.only:
-                steps[group]()
+        units = []
+        for group, backend in ROUND_ORDER:
+            if group not in self.args.only:
+                continue
+            if group == "netio3":
+                units.append((f"netio3 {backend}", lambda b=backend: self.netio3(b)))
+            else:
+                units.append((group, steps[group]))
+        return units
+
+    def run(self):
+        self.sizes = self.args.sizes
+        self.latency_sizes = [s for s in LATENCY_SIZES if s in self.sizes] or self.sizes[:1]
+        for d in (self.logs, self.runs):
+            d.mkdir(parents=True, exist_ok=True)
+        units = self.units()
+        rounds = self.args.repeat
+        self.round_seconds = []
+        for i in range(rounds):
+            self.round = i + 1
+            order = units if i % 2 == 0 else units[::-1]
+            print(f"-- round {self.round} of {rounds}: {', '.join(n for n, _ in order)}",
+                  flush=True)
+            t0 = time.monotonic()
+            for _, step in order:
+                step()
+            self.round_seconds.append(time.monotonic() - t0)
 
 
 # ---- ratios and tables -------------------------------------------------------------------
 
-def find(records, label, test, size):
+METRICS = {"bw": "bytes_per_s", "rate": "msgs_per_s", "p50": "p50_us"}
+
+
+def median(values):
+    """The median; with an even count the mean of the two middle values."""
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+class Summary:
+    """The rounds of one (label, test, size): the ok ones and the others, and the median over
+    the ok rounds of every figure the tables show. A round that failed, lost data or is
+    missing is left out of the medians."""
+
+    def __init__(self, records):
+        self.records = sorted(records, key=lambda r: r.get("round") or 0)
+        first = self.records[0]
+        self.label, self.group, self.test, self.size = (first["label"], first["group"],
+                                                       first["test"], first["size"])
+        self.ok = [r for r in self.records if r["status"] == "ok"]
+        self.bad = [r for r in self.records if r["status"] != "ok"]
+
+    def median(self, key):
+        return median(r.get(key) for r in self.ok)
+
+    def by_round(self, key):
+        return {r["round"]: r.get(key) for r in self.ok if r.get(key) is not None}
+
+    def status(self):
+        """'ok' when every round was, else what went wrong in which round."""
+        bad = [f"round {r['round']} {r['status']}: {r['error']}" for r in self.bad]
+        if not self.ok:
+            r = self.bad[0]
+            rounds = f" (all {len(self.records)} rounds)" if len(self.records) > 1 else ""
+            return f"{r['status']}{rounds}: {r['error']}"
+        ok = "ok" if all(r.get("intact") is not None for r in self.ok) else "ok (not checked)"
+        if bad:
+            ok += f"; {len(self.ok)} of {len(self.records)} rounds in the median; " + \
+                "; ".join(bad)
+        return ok
+
+
+def summarize(records):
+    """{(label, test, size): Summary}, in the order the records first appear."""
+    groups = {}
     for r in records:
-        if r["label"] == label and r["test"] == test and r["size"] == size:
-            return r
-    return None
+        groups.setdefault((r["label"], r["test"], r["size"]), []).append(r)
+    return {k: Summary(v) for k, v in groups.items()}
 
 
-def value(r, metric):
-    return {"bw": r.get("bytes_per_s"), "rate": r.get("msgs_per_s"), "p50": r.get("p50_us")}[metric]
-
-
-def ratio_rows(records, sizes, latency_sizes):
-    """(what, size, numerator label, denominator label, ratio or None, target, verdict)."""
+def ratio_rows(summaries, sizes, latency_sizes, rounds):
+    """(what, size, median ratio or None, per-round ratios {round: ratio}, target, verdict).
+    The ratio is the median of the numerator's rounds over the median of the reference's;
+    the per-round ratios pair round r of one with round r of the other."""
     specs = []
-    for send in ("buffered", "copy"):
+    for send in ("buffered", "copy", "zero-copy"):
         for size in sizes:
             specs.append((f"asyncmsg {send} / iperf3 bandwidth", size, f"asyncmsg {send}",
                           "throughput", "iperf3", "throughput", "bw",
@@ -617,7 +691,7 @@ def ratio_rows(records, sizes, latency_sizes):
             specs.append((f"asyncmsg {send} / sockperf latency p50", size, f"asyncmsg {send}",
                           "latency", "sockperf pp", "latency", "p50", ("<=", 1.3)))
     ucx_target = {64: (">=", 0.8), 65536: (">=", 0.9), 1048576: (">=", 0.9)}
-    for send in ("buffered", "copy"):
+    for send in ("buffered", "copy", "zero-copy"):
         for size in sizes:
             specs.append((f"ucx {send} / ucp_am_bw msg rate", size, f"ucx {send}", "throughput",
                           "ucp_am_bw", "throughput", "rate", ucx_target.get(size)))
@@ -625,31 +699,52 @@ def ratio_rows(records, sizes, latency_sizes):
         for size in latency_sizes:
             specs.append((f"ucx {send} / ucp_am_lat latency p50", size, f"ucx {send}",
                           "latency", "ucp_am_lat", "latency", "p50", ("<=", 1.3)))
-    for size in sizes:
-        specs.append(("libfabric buffered / raw-libfabric msg rate", size, "libfabric buffered",
-                      "throughput", "raw-libfabric", "throughput", "rate", ucx_target.get(size)))
+    for send in ("buffered", "zero-copy"):
+        for size in sizes:
+            specs.append((f"libfabric {send} / raw-libfabric msg rate", size,
+                          f"libfabric {send}", "throughput", "raw-libfabric", "throughput",
+                          "rate", ucx_target.get(size)))
     for size in latency_sizes:
         specs.append(("libfabric buffered / raw-libfabric latency p50", size,
                       "libfabric buffered", "latency", "raw-libfabric", "latency", "p50", None))
 
+    def passes(ratio, target):
+        op, t = target
+        return ratio >= t if op == ">=" else ratio <= t
+
     rows = []
     for what, size, num, num_test, den, den_test, metric, target in specs:
-        a, b = find(records, num, num_test, size), find(records, den, den_test, size)
-        missing = [f"{lbl}: {r['status'] if r else 'not run'}" for lbl, r in ((num, a), (den, b))
-                   if r is None or r["status"] != "ok" or value(r, metric) is None]
+        key = METRICS[metric]
+        a, b = summaries.get((num, num_test, size)), summaries.get((den, den_test, size))
+        missing = []
+        for lbl, sm in ((num, a), (den, b)):
+            if sm is None:
+                missing.append(f"{lbl}: not run")
+            elif sm.median(key) is None:
+                missing.append(f"{lbl}: {sm.bad[0]['status'] if sm.bad else 'no value'}")
         if missing:
-            rows.append((what, size, None, target, "n/a (" + "; ".join(missing) + ")"))
+            rows.append((what, size, None, {}, target, "n/a (" + "; ".join(missing) + ")"))
             continue
-        va, vb = value(a, metric), value(b, metric)
+        va, vb = a.median(key), b.median(key)
+        ra, rb = a.by_round(key), b.by_round(key)
+        per_round = {r: ra[r] / rb[r] for r in sorted(ra) if r in rb and rb[r]}
         ratio = va / vb if vb else None
         if ratio is None:
             verdict = "n/a (reference is 0)"
         elif target is None:
             verdict = "info"
         else:
-            op, t = target
-            verdict = "pass" if (ratio >= t if op == ">=" else ratio <= t) else "FAIL"
-        rows.append((what, size, ratio, target, verdict))
+            ok = passes(ratio, target)
+            verdict = "pass" if ok else "FAIL"
+            against = [r for r, v in per_round.items() if passes(v, target) != ok]
+            if against:
+                verdict += (f" ({len(against)} of {len(per_round)} rounds "
+                            f"{'FAIL' if verdict == 'pass' else 'pass'})")
+        left_out = [f"{lbl} round {r['round']} {r['status']}" for lbl, sm in ((num, a), (den, b))
+                    for r in sm.bad]
+        if left_out:
+            verdict += "; left out: " + ", ".join(left_out)
+        rows.append((what, size, ratio, per_round, target, verdict))
     return rows
 
 
@@ -659,32 +754,36 @@ def fmt_num(v, digits=0):
     return f"{v:,.{digits}f}"
 
 
-def run_rows(records, size):
+def run_rows(summaries, size):
     rows = []
-    for r in records:
-        if r["size"] != size:
+    for sm in summaries.values():
+        if sm.size != size:
             continue
-        ok = r["status"] == "ok"
-        lat = r["test"] == "latency"
-        status = "ok" if ok else f"{r['status']}: {r['error']}"
-        if ok and r.get("intact") is None:
-            status = "ok (not checked)"
-        rows.append((r["label"], r["test"], fmt_num(r["msgs_per_s"]) if ok else "-",
-                     fmt_num(r["bytes_per_s"] / 1e6, 1) if ok and r["bytes_per_s"] else "-",
-                     fmt_num(r["p50_us"], 1) if ok and lat else "-",
-                     fmt_num(r["p99_us"], 1) if ok and lat else "-", status))
+        ok = bool(sm.ok)
+        lat = sm.test == "latency"
+        mbs = sm.median("bytes_per_s")
+        rows.append((sm.label, sm.test, fmt_num(sm.median("msgs_per_s")) if ok else "-",
+                     fmt_num(mbs / 1e6, 1) if ok and mbs else "-",
+                     fmt_num(sm.median("p50_us"), 1) if ok and lat else "-",
+                     fmt_num(sm.median("p99_us"), 1) if ok and lat else "-",
+                     f"{len(sm.ok)}/{len(sm.records)}", sm.status()))
     return rows
 
 
-RUN_HEAD = ("run", "test", "msg/s", "MB/s", "p50 RTT us", "p99 RTT us", "status")
-RATIO_HEAD = ("ratio", "size", "value", "target", "verdict")
+RUN_HEAD = ("run", "test", "msg/s", "MB/s", "p50 RTT us", "p99 RTT us", "rounds ok", "status")
+RATIO_HEAD = ("ratio", "size", "median", "rounds min–max", "target", "verdict")
 
 
-def ratio_cells(rows):
+def ratio_cells(rows, rounds):
     out = []
-    for what, size, ratio, target, verdict in rows:
+    for what, size, ratio, per_round, target, verdict in rows:
+        spread = "-"
+        if per_round:
+            spread = f"{min(per_round.values()):.2f}–{max(per_round.values()):.2f}"
+            if len(per_round) < rounds:
+                spread += f" ({len(per_round)} of {rounds})"
         out.append((what, size_name(size), f"{ratio:.2f}" if ratio is not None else "-",
-                    f"{target[0]} {target[1]}" if target else "-", verdict))
+                    spread, f"{target[0]} {target[1]}" if target else "-", verdict))
     return out
 
 
@@ -727,16 +826,16 @@ def machine_line():
 
 # ---- plot --------------------------------------------------------------------------------
 
-def plot(records, out):
+def plot(summaries, out, rounds):
     gnuplot = shutil.which("gnuplot")
     if gnuplot is None:
         return "gnuplot not installed: no plot"
     series = {}
-    for r in records:
-        if r["test"] == "throughput" and r["status"] == "ok" and r["msgs_per_s"]:
-            key = (r["label"], r["group"] == "netio3")
-            series.setdefault(key, []).append((r["size"], r["bytes_per_s"] / 1e6,
-                                               r["msgs_per_s"]))
+    for sm in summaries.values():
+        rate, bw = sm.median("msgs_per_s"), sm.median("bytes_per_s")
+        if sm.test == "throughput" and rate and bw:
+            key = (sm.label, sm.group == "netio3")
+            series.setdefault(key, []).append((sm.size, bw / 1e6, rate))
     if not series:
         return "no throughput results: no plot"
     data_dir = out / "plot"
@@ -761,6 +860,8 @@ def plot(records, out):
                          for label, p, ours in files)
 
     title = f"netio3 backends and raw references, loopback TCP, {machine_line()}"
+    if rounds > 1:
+        title += f", median of {rounds} rounds"
     script = f"""
 set terminal {term} noenhanced
 set output '{out / "compare.png"}'
@@ -793,8 +894,11 @@ unset multiplot
 
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="bench/compare", description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="1 s runs (smoke test)")
+    p.add_argument("--quick", action="store_true", help="1 s runs, 1 round (smoke test)")
     p.add_argument("--duration", type=float, help="seconds per run (default 5, --quick 1)")
+    p.add_argument("--repeat", type=int, metavar="N",
+                   help="rounds of the whole plan; the tables show the median over them "
+                        "(default 3, --quick 1)")
     p.add_argument("--out", default=str(ROOT / "build/compare-results"),
                    help="output folder (default build/compare-results)")
     p.add_argument("--build-dir", default=str(ROOT / "build/release"),
@@ -808,6 +912,10 @@ def parse_args(argv):
         args.duration = 1.0 if args.quick else 5.0
     if not args.duration > 0:
         p.error("--duration must be positive")
+    if args.repeat is None:
+        args.repeat = 1 if args.quick else 3
+    if args.repeat < 1:
+        p.error("--repeat must be at least 1")
     try:
         args.sizes = [int(s) for s in args.sizes.split(",") if s]
     except ValueError:
@@ -835,39 +943,53 @@ def main(argv):
     signal.signal(signal.SIGTERM, on_signal)
 
     started = datetime.datetime.now()
+    t0 = time.monotonic()
     runner = Runner(args)
     try:
         runner.run()
     finally:
         stop_all_servers()
     records = runner.records
+    took = time.monotonic() - t0
 
     with open(out / "results.jsonl", "w") as f:
         for r in records:
             f.write(json.dumps(r) + "\n")
 
-    header = (f"bench/compare {started:%Y-%m-%d %H:%M}, {args.duration:g} s per run, "
-              f"loopback {HOST}, two processes per run\n{machine_line()}")
+    rounds = args.repeat
+    summaries = summarize(records)
+    per_round = ", ".join(f"{s / 60:.1f}" for s in runner.round_seconds)
+    how = (f"{rounds} rounds (order reversed every other round), medians over the rounds"
+           if rounds > 1 else "1 round")
+    header = (f"bench/compare {started:%Y-%m-%d %H:%M}, {args.duration:g} s per run, {how}, "
+              f"loopback {HOST}, two processes per run; took {took / 60:.1f} min "
+              f"(rounds: {per_round} min)\n{machine_line()}")
     sections = []
     md = [f"## netio3 vs. raw references\n\n{header.replace(chr(10), '  ' + chr(10))}\n"]
-    rows = ratio_cells(ratio_rows(records, runner.sizes, runner.latency_sizes))
+    rows = ratio_cells(ratio_rows(summaries, runner.sizes, runner.latency_sizes, rounds), rounds)
+    spread = ("median = median of netio3's rounds / median of the reference's rounds; "
+              "rounds min–max = range of the per-round ratios (round r / round r)")
     sections.append("Ratios (netio3 / reference; latency = round trip p50; sockperf and "
-                    "ucx_perftest one-way latencies doubled)\n" + text_table(RATIO_HEAD, rows))
+                    "ucx_perftest one-way latencies doubled)\n" + spread + "\n"
+                    + text_table(RATIO_HEAD, rows))
     md.append("### Ratios\n\nnetio3 / reference. Latency is the round-trip p50; sockperf's and "
-              "ucx_perftest's one-way latencies are doubled to round trips.\n\n"
-              + md_table(RATIO_HEAD, rows) + "\n")
-    md.append("### Runs\n\nMB/s = 10^6 bytes/s. Latency runs: msg/s = round trips/s.\n")
+              "ucx_perftest's one-way latencies are doubled to round trips. " + spread[0].upper()
+              + spread[1:] + ".\n\n" + md_table(RATIO_HEAD, rows) + "\n")
+    md.append("### Runs\n\nMB/s = 10^6 bytes/s. Latency runs: msg/s = round trips/s. "
+              f"Every figure is the median over the rounds that were ok ({rounds} in all), "
+              "each column on its own.\n")
     for size in runner.sizes:
-        rows = run_rows(records, size)
+        rows = run_rows(summaries, size)
         if rows:
             sections.insert(len(sections) - 1, f"{size_name(size)}\n" + text_table(RUN_HEAD, rows))
             md.append(f"#### {size_name(size)}\n\n" + md_table(RUN_HEAD, rows) + "\n")
     (out / "ratios.md").write_text("\n".join(md))
-    plot_note = plot(records, out)
+    plot_note = plot(summaries, out, rounds)
 
     print()
     print(header)
-    print("MB/s = 10^6 bytes/s; latency runs: msg/s = round trips/s, p50/p99 = round trip.\n")
+    print("MB/s = 10^6 bytes/s; latency runs: msg/s = round trips/s, p50/p99 = round trip; "
+          "figures are medians over the rounds that were ok.\n")
     print("\n\n".join(sections))
     print()
     print(f"results: {out / 'results.jsonl'}; table: {out / 'ratios.md'}; {plot_note}")
