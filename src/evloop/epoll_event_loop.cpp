@@ -10,11 +10,15 @@
 #include <array>
 #include <atomic>
 #include <cerrno>
+#include <charconv>
+#include <chrono>
 #include <condition_variable>
+#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <mutex>
 #include <stdexcept>
+#include <string_view>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/timerfd.h>
@@ -73,7 +77,8 @@ constexpr std::uint64_t WAKE_TAG = 0;
 
 class EpollEventLoop::Impl : public std::enable_shared_from_this<Impl> {
  public:
-  Impl() {
+  explicit Impl(std::chrono::microseconds busy_poll)
+      : m_busy_poll{std::chrono::duration_cast<std::chrono::steady_clock::duration>(busy_poll)} {
     m_epfd = ::epoll_create1(EPOLL_CLOEXEC);
     if (m_epfd < 0) throw_errno("epoll_create1");
     m_wake_fd = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
@@ -112,18 +117,25 @@ class EpollEventLoop::Impl : public std::enable_shared_from_this<Impl> {
       m_accepting_sync = true;
     }
     std::array<epoll_event, MAX_EVENTS> events{};
+    const bool busy_poll = m_busy_poll.count() > 0;
+    auto poll_until = std::chrono::steady_clock::time_point{};
     while (!m_stop.load(std::memory_order_acquire)) {
+      const bool spin = busy_poll && std::chrono::steady_clock::now() < poll_until;
+      m_polling.store(spin, std::memory_order_relaxed);
       const bool may_sleep = run_prepare_hooks();
       clear_graveyard();
       if (m_stop.load(std::memory_order_acquire)) break;
-      const int n =
-          ::epoll_wait(m_epfd, events.data(), static_cast<int>(events.size()), may_sleep ? -1 : 0);
+      const int n = ::epoll_wait(m_epfd, events.data(), static_cast<int>(events.size()),
+                                 may_sleep && !spin ? -1 : 0);
       if (n < 0) {
         if (errno == EINTR) continue;
         NETIO3_ERROR("event loop: epoll_wait failed: {}", std::strerror(errno));
         break;
       }
-      m_wakeups.fetch_add(1, std::memory_order_relaxed);
+      if (busy_poll && (n > 0 || !may_sleep)) {
+        poll_until = std::chrono::steady_clock::now() + m_busy_poll;
+      }
+      if (n > 0 || !spin) m_wakeups.fetch_add(1, std::memory_order_relaxed);
       for (int i = 0; i < n; ++i) {
         dispatch(events.at(static_cast<std::size_t>(i)));
         if (m_stop.load(std::memory_order_acquire)) break;
@@ -273,6 +285,8 @@ class EpollEventLoop::Impl : public std::enable_shared_from_this<Impl> {
     m_hook_count.store(m_hooks.size(), std::memory_order_release);
   }
 
+  [[nodiscard]] bool polling() const noexcept { return m_polling.load(std::memory_order_relaxed); }
+
   [[nodiscard]] std::uint64_t wakeups() const noexcept {
     return m_wakeups.load(std::memory_order_relaxed);
   }
@@ -349,6 +363,8 @@ class EpollEventLoop::Impl : public std::enable_shared_from_this<Impl> {
   std::atomic<bool> m_stop{false};
   std::atomic<std::thread::id> m_loop_thread{};
   std::atomic<std::uint64_t> m_wakeups{0};
+  const std::chrono::steady_clock::duration m_busy_poll;
+  std::atomic<bool> m_polling{false};  // written and read on the loop thread
 
   std::mutex m_post_mutex;
   std::vector<std::function<void()>> m_posted;
@@ -474,7 +490,28 @@ class EpollHookSource final : public detail::EventSource {
 
 }  // namespace
 
-EpollEventLoop::EpollEventLoop() : m_impl{std::make_shared<Impl>()} {}
+namespace {
+EpollEventLoop::Options options_from_environment() {
+  EpollEventLoop::Options options;
+  if (const char* text = std::getenv("NETIO3_BUSY_POLL_US"); text != nullptr && *text != '\0') {
+    unsigned long value = 0;
+    const std::string_view view{text};
+    const auto [end, ec] = std::from_chars(view.data(), view.data() + view.size(), value);
+    if (ec != std::errc{} || end != view.data() + view.size() || value > 1'000'000) {
+      NETIO3_WARN("event loop: NETIO3_BUSY_POLL_US='{}' is not 0..1000000 microseconds; ignored",
+                  view);
+    } else {
+      options.busy_poll = std::chrono::microseconds{value};
+    }
+  }
+  return options;
+}
+}  // namespace
+
+EpollEventLoop::EpollEventLoop() : EpollEventLoop(options_from_environment()) {}
+
+EpollEventLoop::EpollEventLoop(Options options)
+    : m_impl{std::make_shared<Impl>(options.busy_poll)} {}
 
 EpollEventLoop::~EpollEventLoop() {
   if (m_impl->is_running()) {
@@ -500,6 +537,10 @@ void EpollEventLoop::post(std::function<void()> fn) {
 void EpollEventLoop::run_sync(std::function<void()> fn) {
   m_impl->run_sync(std::move(fn));
 }
+bool EpollEventLoop::polling() const noexcept {
+  return m_impl->polling();
+}
+
 std::uint64_t EpollEventLoop::wakeups() const noexcept {
   return m_impl->wakeups();
 }

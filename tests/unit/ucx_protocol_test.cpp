@@ -26,10 +26,34 @@ TEST(UcxProtocol, HeaderRoundTripsEveryTypeAndSequenceNumber) {
   }
 }
 
-TEST(UcxProtocol, HeaderLayoutIsTypeVersionZerosThenLittleEndianSequence) {
-  const auto bytes = encode_header(AmHeader{MessageType::DATA, 0x0102030405060708ULL});
-  const std::vector<std::uint8_t> expected{3, 1, 0, 0, 0, 0, 0, 0, 8, 7, 6, 5, 4, 3, 2, 1};
+TEST(UcxProtocol, HeaderLayoutIsTypeVersionPrefixLengthZerosThenLittleEndianSequence) {
+  const auto bytes = encode_header(AmHeader{MessageType::DATA, 0x0102030405060708ULL, 5});
+  const std::vector<std::uint8_t> expected{3, 2, 5, 0, 0, 0, 0, 0, 8, 7, 6, 5, 4, 3, 2, 1};
   EXPECT_EQ(std::vector<std::uint8_t>(bytes.begin(), bytes.end()), expected);
+}
+
+TEST(UcxProtocol, APrefixFollowsTheFixedPartAndItsLengthMustMatch) {
+  const auto fixed = encode_header(AmHeader{MessageType::DATA, 9, 3});
+  std::vector<std::uint8_t> bytes(fixed.begin(), fixed.end());
+  bytes.insert(bytes.end(), {0xaa, 0xbb, 0xcc});
+  std::string error;
+  const auto decoded = decode_header(bytes, error);
+  ASSERT_TRUE(decoded.has_value()) << error;
+  EXPECT_EQ(decoded->prefix_len, 3);
+  EXPECT_EQ(decoded->seq, 9U);
+  bytes.pop_back();  // one prefix byte missing
+  EXPECT_FALSE(decode_header(bytes, error).has_value());
+  EXPECT_NE(error.find("prefix of 3"), std::string::npos) << error;
+  // Longer than any header_data, or on a control message: refused.
+  auto huge = encode_header(AmHeader{MessageType::DATA, 1, 17});
+  std::vector<std::uint8_t> with_17(huge.begin(), huge.end());
+  with_17.resize(AM_HEADER_SIZE + 17);
+  EXPECT_FALSE(decode_header(with_17, error).has_value());
+  const auto bye = encode_header(AmHeader{MessageType::BYE, 1, 1});
+  std::vector<std::uint8_t> bye_prefixed(bye.begin(), bye.end());
+  bye_prefixed.push_back(0);
+  EXPECT_FALSE(decode_header(bye_prefixed, error).has_value());
+  EXPECT_NE(error.find("control message"), std::string::npos) << error;
 }
 
 TEST(UcxProtocol, MalformedHeadersAreRejectedWithTheReason) {
@@ -41,8 +65,8 @@ TEST(UcxProtocol, MalformedHeadersAreRejectedWithTheReason) {
   };
   EXPECT_NE(rejected(std::span{good}.first(15)).find("15 bytes"), std::string::npos);
   auto version = good;
-  version[1] = 2;
-  EXPECT_NE(rejected(version).find("protocol version 2"), std::string::npos);
+  version[1] = 1;
+  EXPECT_NE(rejected(version).find("protocol version 1"), std::string::npos);
   auto reserved = good;
   reserved[5] = 1;
   EXPECT_NE(rejected(reserved).find("reserved"), std::string::npos);

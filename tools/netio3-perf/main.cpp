@@ -10,7 +10,7 @@
 // Run options: --backend asyncmsg|libfabric|ucx  --mode tcp|rdma
 //   --send buffered|zero-copy|copy  --test throughput|latency  --size N[,N...] (k/m: KiB/MiB)
 //   --duration SECONDS  --connections N  --threads N (0: send from the loop thread)
-//   --window N  --verify light|full  --warmup N  --json FILE  --quiet
+//   --window N  --verify light|full  --warmup N  --busy-poll US  --json FILE  --quiet
 //
 // Exit status: 0 when every message arrived intact, 1 when one did not, 2 for bad options,
 // 3 when a run could not be done (no connection, a stall, a failed send).
@@ -44,6 +44,7 @@ constexpr int EXIT_ERROR = 3;
 
 const char* const USAGE = R"(usage:
   netio3-perf --server [--backend B] [--mode tcp|rdma] [--bind IP] [--port P] [--max-size BYTES]
+              [--busy-poll US]
   netio3-perf --client IP:PORT [run options]
   netio3-perf [--loopback] [run options]          (server and client in this process)
   netio3-perf --list-backends
@@ -61,6 +62,9 @@ run options:
   --verify light|full                content check of every message (default light: first
                                      and last payload byte; full: every byte)
   --warmup N                         latency: round trips left out (default 1000)
+  --busy-poll US                     event loops poll this long after activity before
+                                     sleeping (EpollEventLoop::Options; default 0, or
+                                     NETIO3_BUSY_POLL_US); also for --server
   --json FILE                        append one JSON record per run (JSON Lines)
   --quiet                            no progress line
 exit status: 0 every message arrived intact, 1 something was lost or corrupted,
@@ -87,8 +91,8 @@ Args parse_args(int argc, char** argv) {
   static const std::vector<std::string> FLAGS{"server", "loopback", "quiet", "list-backends",
                                               "help"};
   static const std::vector<std::string> VALUES{
-      "client",  "backend", "mode",   "send",   "test", "size", "duration", "connections",
-      "threads", "window",  "verify", "warmup", "json", "bind", "port",     "max-size"};
+      "client", "backend", "mode",   "send", "test", "size", "duration", "connections", "threads",
+      "window", "verify",  "warmup", "json", "bind", "port", "max-size", "busy-poll"};
   Args args;
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i];
@@ -219,6 +223,13 @@ ServerOptions server_options(const Args& args, const Common& common) {
   return o;
 }
 
+std::optional<std::chrono::microseconds> busy_poll(const Args& args) {
+  if (!args.values.contains("busy-poll")) return std::nullopt;
+  const auto us = parse_number("busy-poll", args.get("busy-poll", "0"));
+  if (us > 1'000'000) throw UsageError{"--busy-poll: at most 1000000 microseconds"};
+  return std::chrono::microseconds{us};
+}
+
 int run_server(const Args& args) {
   const auto common = parse_common(args);
   const auto options = server_options(args, common);
@@ -229,7 +240,7 @@ int run_server(const Args& args) {
   sigaddset(&signals, SIGINT);
   sigaddset(&signals, SIGTERM);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
-  auto loop = std::make_shared<EpollEventLoop>();
+  auto loop = make_loop(busy_poll(args));
   auto server = std::make_unique<PerfServer>(options, loop);
   std::jthread thread{[loop] { loop->run(); }};
   std::cout << fmt::format("listening on {}", server->address()) << std::endl;
@@ -277,6 +288,7 @@ int run_clients(const Args& args, bool loopback) {
   if (base.window > 65536) throw UsageError{"--window: at most 65536"};
   base.warmup = parse_number("warmup", args.get("warmup", "1000"));
   base.progress = !args.flag("quiet") && ::isatty(STDERR_FILENO) == 1;
+  base.busy_poll = busy_poll(args);
   const auto sizes = parse_sizes(args.get("size", "4k"));
   const std::string json_path = args.get("json", "");
 
@@ -297,7 +309,7 @@ int run_clients(const Args& args, bool loopback) {
     auto options = server_options(args, common);
     options.quiet = true;
     for (const auto size : sizes) options.max_size = std::max(options.max_size, size);
-    server_loop = std::make_shared<EpollEventLoop>();
+    server_loop = make_loop(base.busy_poll);
     server = std::make_unique<PerfServer>(options, server_loop);
     server_thread = std::jthread{[loop = server_loop] { loop->run(); }};
     target = server->address();

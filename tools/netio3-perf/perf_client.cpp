@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <future>
 #include <iostream>
 #include <mutex>
 #include <thread>
@@ -188,7 +189,7 @@ Run::Run(const ClientOptions& options, const EndPointAddress& server)
       m_window{options.window != 0 ? options.window : auto_window(options.size)},
       m_slot{(std::max(options.size, CONTROL_SIZE) + 63) / 64 * 64},
       m_pattern{options.size - HEADER_SIZE},
-      m_loop{std::make_shared<EpollEventLoop>()},
+      m_loop{make_loop(options.busy_poll)},
       m_by_port{std::make_unique<std::atomic<std::size_t>[]>(65536)} {
   for (std::size_t p = 0; p < 65536; ++p) m_by_port[p].store(NO_CONN, std::memory_order_relaxed);
   NetworkConfig config{
@@ -208,6 +209,14 @@ Run::Run(const ClientOptions& options, const EndPointAddress& server)
   config.limits.max_message_size = std::max(options.size, CONTROL_SIZE);
   m_backend = Netio3Backend::create(options.backend, std::move(config), m_loop);
   m_loop_thread = std::jthread{[loop = m_loop] { loop->run(); }};
+  // run_sync() runs inline while the loop is not running yet: wait until it dispatches, so
+  // that UNSAFE calls made through it really run on the loop thread.
+  std::promise<void> running;
+  auto started = running.get_future();
+  m_loop->post([&running] { running.set_value(); });
+  if (started.wait_for(SETUP_TIMEOUT) != std::future_status::ready) {
+    throw std::runtime_error("netio3-perf: the event loop did not start");
+  }
 }
 
 Run::~Run() {
@@ -790,6 +799,11 @@ RunResult Run::execute() {
 }
 
 }  // namespace
+
+std::shared_ptr<EpollEventLoop> make_loop(std::optional<std::chrono::microseconds> busy_poll) {
+  if (!busy_poll) return std::make_shared<EpollEventLoop>();
+  return std::make_shared<EpollEventLoop>(EpollEventLoop::Options{.busy_poll = *busy_poll});
+}
 
 RunResult run_client(const ClientOptions& options, const EndPointAddress& server) {
   Run run{options, server};

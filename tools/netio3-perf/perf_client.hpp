@@ -30,6 +30,9 @@ struct ClientOptions {
   Verify verify{Verify::LIGHT};
   std::size_t warmup{1000};  // latency: round trips left out of the statistics
   bool progress{false};      // a live line on stderr
+  // EpollEventLoop::Options::busy_poll; none: what EpollEventLoop() takes from the
+  // environment (NETIO3_BUSY_POLL_US).
+  std::optional<std::chrono::microseconds> busy_poll;
 };
 
 struct RunResult {
@@ -46,6 +49,9 @@ struct RunResult {
   std::optional<double> p50_us, p99_us, p999_us;  // latency: round trip
   std::size_t window{0};
 };
+
+[[nodiscard]] std::shared_ptr<EpollEventLoop> make_loop(
+    std::optional<std::chrono::microseconds> busy_poll);
 
 // One run against the server at `server`: connects, runs the test for the duration,
 // collects the server's reports, closes.

@@ -755,6 +755,17 @@ class Backend : public std::enable_shared_from_this<Backend> {
       for (const auto& d : m_domains) domains.push_back(d.get());
     }
     bool sleep = true;
+    if (m_loop->polling()) {
+      // Busy-polling: the loop will not sleep this round; read the queues (which also
+      // drives the provider's progress) instead of arming them.
+      for (Domain* d : domains) {
+        if (drain_eq(*d) > 0) sleep = false;
+        if (m_shut_down) return true;
+        if (drain_cq(*d) > 0) sleep = false;
+        if (m_shut_down) return true;
+      }
+      return sleep;
+    }
     for (Domain* d : domains) {
       std::array<fid*, 2> fids{&d->eq()->fid, &d->cq()->fid};
       if (fi_trywait(d->fabric(), fids.data(), static_cast<int>(fids.size())) != FI_SUCCESS) {

@@ -108,30 +108,43 @@ std::array<std::uint8_t, AM_HEADER_SIZE> encode_header(const AmHeader& header) {
   std::array<std::uint8_t, AM_HEADER_SIZE> out{};
   out[0] = static_cast<std::uint8_t>(header.type);
   out[1] = PROTOCOL_VERSION;
+  out[2] = header.prefix_len;
   detail::store_le64(out.data() + 8, header.seq);
   return out;
 }
 
 std::optional<AmHeader> decode_header(std::span<const std::uint8_t> bytes, std::string& error) {
-  if (bytes.size() != AM_HEADER_SIZE) {
-    error = fmt::format("message header of {} bytes (expected {})", bytes.size(), AM_HEADER_SIZE);
+  if (bytes.size() < AM_HEADER_SIZE) {
+    error = fmt::format("message header of {} bytes (expected at least {})", bytes.size(),
+                        AM_HEADER_SIZE);
     return std::nullopt;
   }
   if (bytes[1] != PROTOCOL_VERSION) {
     error = fmt::format("protocol version {} (this side speaks {})", bytes[1], PROTOCOL_VERSION);
     return std::nullopt;
   }
-  if (std::any_of(bytes.begin() + 2, bytes.begin() + 8, [](std::uint8_t b) { return b != 0; })) {
+  if (std::any_of(bytes.begin() + 3, bytes.begin() + 8, [](std::uint8_t b) { return b != 0; })) {
     error = "non-zero reserved bytes in the message header";
+    return std::nullopt;
+  }
+  const std::uint8_t prefix = bytes[2];
+  if (prefix > AM_PREFIX_MAX || bytes.size() != AM_HEADER_SIZE + prefix) {
+    error = fmt::format("message header of {} bytes with a prefix of {} (at most {})", bytes.size(),
+                        prefix, AM_PREFIX_MAX);
     return std::nullopt;
   }
   const auto type = static_cast<MessageType>(bytes[0]);
   switch (type) {
     case MessageType::HELLO:
     case MessageType::HELLO_ACK:
-    case MessageType::DATA:
     case MessageType::BYE:
-      return AmHeader{type, detail::load_le64(bytes.data() + 8)};
+      if (prefix != 0) {
+        error = fmt::format("a prefix of {} bytes on a control message", prefix);
+        return std::nullopt;
+      }
+      [[fallthrough]];
+    case MessageType::DATA:
+      return AmHeader{type, detail::load_le64(bytes.data() + 8), prefix};
   }
   error = fmt::format("unknown message type {}", bytes[0]);
   return std::nullopt;

@@ -83,15 +83,20 @@ class MemoryMap {
 // ---- the active-message protocol ------------------------------------------------------
 //
 // Every message of a connection is one active message with id AM_ID. Its UCX header is 16
-// bytes, little endian: 0 type, 1 version (1), 2..7 zero, 8..15 sequence number (per
-// direction, from 0). HELLO (client -> server, seq 0) and HELLO_ACK (server -> client, seq
-// 0) carry 8 bytes of payload: the largest message the sender accepts. DATA carries the
-// application's header + payload. BYE (empty) ends the stream: the peer closes once
-// everything before it was delivered.
+// bytes, little endian: 0 type, 1 version (2), 2 prefix length P (0..16, DATA only), 3..7
+// zero, 8..15 sequence number (per direction, from 0); then P bytes: the start of the
+// message. HELLO (client -> server, seq 0) and HELLO_ACK (server -> client, seq 0) carry 8
+// bytes of payload: the largest message the sender accepts. DATA carries the application's
+// message: send_data's header_data travels as the prefix, so that the payload leaves as one
+// contiguous block (eligible for zero-copy and rendezvous); the receiver delivers prefix +
+// payload as one message. BYE (empty) ends the stream: the peer closes once everything
+// before it was delivered.
 
 inline constexpr unsigned AM_ID = 7;
-inline constexpr std::uint8_t PROTOCOL_VERSION = 1;
+inline constexpr std::uint8_t PROTOCOL_VERSION = 2;
 inline constexpr std::size_t AM_HEADER_SIZE = 16;
+inline constexpr std::size_t AM_PREFIX_MAX = 16;
+inline constexpr std::size_t AM_HEADER_MAX = AM_HEADER_SIZE + AM_PREFIX_MAX;
 inline constexpr std::size_t HELLO_SIZE = 8;
 
 enum class MessageType : std::uint8_t { HELLO = 1, HELLO_ACK = 2, DATA = 3, BYE = 4 };
@@ -99,9 +104,12 @@ enum class MessageType : std::uint8_t { HELLO = 1, HELLO_ACK = 2, DATA = 3, BYE 
 struct AmHeader {
   MessageType type{};
   std::uint64_t seq{};
+  std::uint8_t prefix_len{};
 };
+// The fixed part; the prefix_len bytes of the prefix follow it in the UCX header.
 [[nodiscard]] std::array<std::uint8_t, AM_HEADER_SIZE> encode_header(const AmHeader& header);
-// nullopt (and `error` set) for a header that is not netio3's protocol version 1.
+// The whole UCX header (fixed part and prefix); nullopt (and `error` set) for one that is not
+// netio3's protocol version 2.
 [[nodiscard]] std::optional<AmHeader> decode_header(std::span<const std::uint8_t> bytes,
                                                     std::string& error);
 

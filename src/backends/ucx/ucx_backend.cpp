@@ -83,15 +83,17 @@ struct RecvPool {
 };
 
 // One send in flight (or a free slot). Stable address: the request's user data.
+static_assert(AM_PREFIX_MAX == MAX_HEADER_SIZE, "send_data's header_data travels as the prefix");
+
 struct SendOp {
   Connection* conn{nullptr};
   std::uint32_t slot{0};
   bool control{false};
   detail::SendLedger::Ticket ticket{0};
   std::size_t bytes{0};
-  NetworkBuffer* buffer{nullptr};  // buffered sends
-  std::array<std::uint8_t, AM_HEADER_SIZE> am_header{};
-  std::array<std::uint8_t, MAX_HEADER_SIZE> user_header{};
+  NetworkBuffer* buffer{nullptr};                       // buffered sends
+  std::array<std::uint8_t, AM_HEADER_MAX> am_header{};  // fixed part + prefix
+  std::size_t am_header_len{0};
   std::array<std::uint8_t, HELLO_SIZE> hello{};
   std::array<ucp_dt_iov_t, MAX_IOV + 1> iov{};
   std::vector<std::uint8_t> staging;  // copy sends
@@ -103,7 +105,9 @@ struct Incoming {
   Stage stage{Stage::EMPTY};
   MessageType type{};
   ucs_status_t status{UCS_OK};
-  std::size_t length{0};
+  std::size_t length{0};  // READY: the whole message; RNDV, RECEIVING: the UCX payload
+  std::array<std::uint8_t, AM_PREFIX_MAX> prefix{};  // RNDV, RECEIVING: the message's start
+  std::uint8_t prefix_len{0};
   void* desc{nullptr};  // RNDV: UCX's descriptor; READY from eager: data to release
   const std::uint8_t* data{nullptr};
   NetworkBuffer* buffer{nullptr};        // rendezvous into a receive-pool buffer
@@ -724,23 +728,23 @@ class Backend : public std::enable_shared_from_this<Backend> {
         }
         buffer = op.staging.data();
         count = size;
-      } else if (header.empty() && payload.size() == 1) {
+      } else if (payload.size() == 1) {
+        // The header travels in the UCX header (the prefix): the payload is one contiguous
+        // block from registered memory, so UCX may send it zero-copy / by rendezvous.
         buffer = payload[0].iov_base;
         count = payload[0].iov_len;
         memh = kind == SendKind::BUFFERED ? conn.send_memh : conn.region_map.get();
-      } else {
+      } else if (!payload.empty()) {
         std::size_t n = 0;
-        if (!header.empty()) {
-          std::copy(header.begin(), header.end(), op.user_header.begin());
-          op.iov[n++] = ucp_dt_iov_t{op.user_header.data(), header.size()};
-        }
         for (const auto& v : payload) op.iov.at(n++) = ucp_dt_iov_t{v.iov_base, v.iov_len};
         buffer = op.iov.data();
         count = n;
         datatype = ucp_dt_make_iov();
       }
+      const auto prefix = kind == SendKind::COPY ? std::span<const std::uint8_t>{} : header;
       op.ticket = conn.ledger.add(pending);
-      const ucs_status_t status = post(conn, op, MessageType::DATA, buffer, count, datatype, memh);
+      const ucs_status_t status =
+          post(conn, op, MessageType::DATA, buffer, count, datatype, memh, prefix);
       if (status == UCS_INPROGRESS) {
         ++conn.data_ops;
         conn.unsent_bytes += size;
@@ -802,8 +806,14 @@ class Backend : public std::enable_shared_from_this<Backend> {
   // Under conn.mutex. UCS_INPROGRESS: the request completes later (SEND_DONE); UCS_OK: it
   // completed at once; anything else: refused. The sequence number is used only if sent.
   ucs_status_t post(Connection& conn, SendOp& op, MessageType type, const void* buffer,
-                    std::size_t count, ucp_datatype_t datatype, ucp_mem_h memh) {
-    op.am_header = encode_header(AmHeader{type, conn.tx_seq});
+                    std::size_t count, ucp_datatype_t datatype, ucp_mem_h memh,
+                    std::span<const std::uint8_t> prefix = {}) {
+    const auto fixed =
+        encode_header(AmHeader{type, conn.tx_seq, static_cast<std::uint8_t>(prefix.size())});
+    std::copy(fixed.begin(), fixed.end(), op.am_header.begin());
+    if (!prefix.empty())
+      std::copy(prefix.begin(), prefix.end(), op.am_header.begin() + AM_HEADER_SIZE);
+    op.am_header_len = AM_HEADER_SIZE + prefix.size();
     ucp_request_param_t param{};
     param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
                          UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_DATATYPE;
@@ -818,7 +828,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
       param.memh = memh;
     }
     const ucs_status_ptr_t request = ucp_am_send_nbx(conn.ep, AM_ID, op.am_header.data(),
-                                                     op.am_header.size(), buffer, count, &param);
+                                                     op.am_header_len, buffer, count, &param);
     if (UCS_PTR_IS_ERR(request)) return UCS_PTR_STATUS(request);
     ++conn.tx_seq;
     if (request == nullptr) return UCS_OK;
@@ -942,28 +952,35 @@ class Backend : public std::enable_shared_from_this<Backend> {
         limit = 0;
         break;
     }
-    if (length > limit) {
-      protocol_error(
-          *conn, fmt::format("a message of {} bytes exceeds the limit of {} bytes", length, limit));
+    const std::span<const std::uint8_t> prefix = header.subspan(AM_HEADER_SIZE);
+    if (length > limit || prefix.size() > limit - length) {
+      protocol_error(*conn, fmt::format("a message of {} bytes exceeds the limit of {} bytes",
+                                        prefix.size() + length, limit));
       return rndv ? UCS_ERR_MESSAGE_TRUNCATED : UCS_OK;
     }
     slot.type = decoded->type;
-    slot.length = length;
     mark_dirty(*conn);
     if (rndv) {
+      // The payload is fetched later (start_receive) behind a copy of the prefix.
       slot.stage = Incoming::Stage::RNDV;
+      slot.length = length;
+      std::copy(prefix.begin(), prefix.end(), slot.prefix.begin());
+      slot.prefix_len = static_cast<std::uint8_t>(prefix.size());
       slot.desc = data;
       return UCS_INPROGRESS;
     }
     slot.stage = Incoming::Stage::READY;
-    if (persistent) {
+    slot.length = prefix.size() + length;
+    if (persistent && prefix.empty()) {
       slot.desc = data;
       slot.data = static_cast<const std::uint8_t*>(data);
       return UCS_INPROGRESS;
     }
-    if (length > 0) {
-      slot.heap = std::make_unique_for_overwrite<std::uint8_t[]>(length);
-      std::memcpy(slot.heap.get(), data, length);
+    if (slot.length > 0) {
+      // Eager data UCX takes back on return, or prefix and payload joined: one copy.
+      slot.heap = std::make_unique_for_overwrite<std::uint8_t[]>(slot.length);
+      if (!prefix.empty()) std::memcpy(slot.heap.get(), prefix.data(), prefix.size());
+      if (length > 0) std::memcpy(slot.heap.get() + prefix.size(), data, length);
       slot.data = slot.heap.get();
     }
     return UCS_OK;
@@ -989,7 +1006,8 @@ class Backend : public std::enable_shared_from_this<Backend> {
       release(conn, slot);  // its connection closed meanwhile
     } else if (status == UCS_OK) {
       slot.stage = Incoming::Stage::READY;
-      slot.length = std::min(length, slot.length);
+      slot.length = slot.prefix_len + std::min(length, slot.length);
+      slot.prefix_len = 0;
     } else {
       slot.stage = Incoming::Stage::FAILED;
       slot.status = status;
@@ -1003,17 +1021,22 @@ class Backend : public std::enable_shared_from_this<Backend> {
     if (!m_kick_pending.exchange(true)) m_kick.fire();
   }
 
-  // Progresses the worker until it has nothing left and handles what it reported.
-  void progress() {
-    if (m_progressing || m_shut_down) return;
+  // Progresses the worker until it has nothing left and handles what it reported. Returns
+  // whether anything happened.
+  bool progress() {
+    if (m_progressing || m_shut_down) return false;
     m_progressing = true;
+    bool active = false;
     for (int round = 0; round < PROGRESS_ROUNDS; ++round) {
       const unsigned n = ucp_worker_progress(m_worker->get());
+      const bool work = has_work();
+      active = active || n != 0 || work;
       dispatch();
-      if (m_shut_down) return;  // the backend is going: leave the flag set
-      if (n == 0 && !has_work()) break;
+      if (m_shut_down) return active;  // the backend is going: leave the flag set
+      if (n == 0 && !work && !has_work()) break;
     }
     m_progressing = false;
+    return active;
   }
 
   [[nodiscard]] bool has_work() {
@@ -1027,9 +1050,12 @@ class Backend : public std::enable_shared_from_this<Backend> {
   // The prepare hook: true when the worker is armed and the loop may sleep on its fd.
   bool may_sleep() {
     if (m_shut_down) return true;
-    progress();
+    const bool active = progress();
     if (m_shut_down) return true;
     if (has_work()) return false;
+    // Busy-polling (EpollEventLoop::Options::busy_poll): the loop will not sleep this
+    // round, so arming would be wasted; say whether there was work to keep it polling.
+    if (m_loop->polling()) return !active;
     const ucs_status_t status = ucp_worker_arm(m_worker->get());
     if (status == UCS_ERR_BUSY) return false;
     if (status != UCS_OK) {
@@ -1258,17 +1284,20 @@ class Backend : public std::enable_shared_from_this<Backend> {
     param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
                          UCP_OP_ATTR_FIELD_DATATYPE | UCP_OP_ATTR_FIELD_RECV_INFO;
     NetworkBuffer* buffer = nullptr;
-    if (conn.recv && slot.length <= conn.recv->pool.buf_size()) buffer = conn.recv->pool.acquire();
+    const std::size_t total = slot.prefix_len + slot.length;
+    if (conn.recv && total <= conn.recv->pool.buf_size()) buffer = conn.recv->pool.acquire();
+    std::uint8_t* start = nullptr;
     if (buffer != nullptr) {
       slot.buffer = buffer;
-      target = buffer->data();
+      start = buffer->data();
       param.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
       param.memh = conn.recv->map.get();
     } else {
-      slot.heap =
-          std::make_unique_for_overwrite<std::uint8_t[]>(std::max<std::size_t>(slot.length, 1));
-      target = slot.heap.get();
+      slot.heap = std::make_unique_for_overwrite<std::uint8_t[]>(std::max<std::size_t>(total, 1));
+      start = slot.heap.get();
     }
+    if (slot.prefix_len > 0) std::memcpy(start, slot.prefix.data(), slot.prefix_len);
+    target = start + slot.prefix_len;
     std::size_t received = 0;
     param.cb.recv_am = &Backend::receive_callback;
     param.user_data = &slot;
@@ -1276,7 +1305,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
     param.recv_info.length = &received;
     slot.stage = Incoming::Stage::RECEIVING;
     slot.conn = &conn;
-    slot.data = static_cast<const std::uint8_t*>(target);
+    slot.data = start;
     void* desc = std::exchange(slot.desc, nullptr);
     ++conn.receiving;
     conn.receiving_bytes += slot.length;
