@@ -585,12 +585,19 @@ class Backend : public std::enable_shared_from_this<Backend> {
         conn->send_desc = domain.shared_registration(conn->send_pool->region());
       }
     }
-    const std::size_t depth = std::clamp<std::size_t>(domain.tx_depth(), 1, MAX_SEND_DEPTH);
-    conn->header_slots.resize(depth);
-    conn->header_mr = domain.register_memory(
-        {reinterpret_cast<std::uint8_t*>(conn->header_slots.data()),  // NOLINT
-         conn->header_slots.size() * MAX_HEADER_SIZE});
-    conn->header_desc = fi_mr_desc(conn->header_mr.get());
+    // Send contexts (and, for zero-copy, registered header slots) only for an endpoint that
+    // can send: a receive-only connection costs no memory per transmit-queue entry.
+    const bool zero_copy = zc.mr_start != nullptr;
+    const bool can_send = zero_copy || conn->send_pool != nullptr;
+    const std::size_t depth =
+        can_send ? std::clamp<std::size_t>(domain.tx_depth(), 1, MAX_SEND_DEPTH) : 0;
+    if (zero_copy) {
+      conn->header_slots.resize(depth);
+      conn->header_mr = domain.register_memory(
+          {reinterpret_cast<std::uint8_t*>(conn->header_slots.data()),  // NOLINT
+           conn->header_slots.size() * MAX_HEADER_SIZE});
+      conn->header_desc = fi_mr_desc(conn->header_mr.get());
+    }
     conn->send_ops.resize(depth);
     conn->free_send_ops.reserve(depth);
     for (std::size_t i = depth; i-- > 0;) {

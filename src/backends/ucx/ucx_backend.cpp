@@ -158,8 +158,10 @@ struct Connection : detail::ConnectionBase, std::enable_shared_from_this<Connect
   ucp_mem_h send_memh{nullptr};
   MemoryMap send_map;  // own send pool
   std::span<std::uint8_t> region;
-  MemoryMap region_map;     // zero-copy
-  std::vector<SendOp> ops;  // never resized: request user data
+  MemoryMap region_map;  // zero-copy
+  // Grown on demand up to MAX_SEND_DEPTH + CONTROL_OPS, never shrunk: a deque keeps the
+  // addresses UCX holds as request user data. An idle connection holds none.
+  std::deque<SendOp> ops;
   std::vector<std::uint32_t> free_ops;
 
   // Loop thread only.
@@ -635,13 +637,6 @@ class Backend : public std::enable_shared_from_this<Backend> {
     } else if (conn->send_pool != nullptr) {
       conn->send_memh = m_shared_send_map.get();
     }
-    conn->ops.resize(MAX_SEND_DEPTH + CONTROL_OPS);
-    conn->free_ops.reserve(conn->ops.size());
-    for (std::size_t i = conn->ops.size(); i-- > 0;) {
-      conn->ops[i].conn = conn.get();
-      conn->ops[i].slot = static_cast<std::uint32_t>(i);
-      conn->free_ops.push_back(static_cast<std::uint32_t>(i));
-    }
     return conn;
   }
 
@@ -776,7 +771,9 @@ class Backend : public std::enable_shared_from_this<Backend> {
   // Control messages (HELLO, HELLO_ACK, BYE) use the reserved slots. Under no lock.
   ucs_status_t send_control(Connection& conn, MessageType type) {
     const std::lock_guard lock{conn.mutex};
-    if (conn.free_ops.empty()) return UCS_ERR_NO_RESOURCE;
+    if (conn.free_ops.empty() && conn.ops.size() >= MAX_SEND_DEPTH + CONTROL_OPS) {
+      return UCS_ERR_NO_RESOURCE;
+    }
     SendOp& op = take_op(conn);
     op.control = true;
     op.bytes = 0;
@@ -793,7 +790,15 @@ class Backend : public std::enable_shared_from_this<Backend> {
     return status == UCS_INPROGRESS ? UCS_OK : status;
   }
 
+  // A free op, or a new one (data sends are bounded by MAX_SEND_DEPTH, control messages by
+  // CONTROL_OPS, so the deque never grows past their sum).
   static SendOp& take_op(Connection& conn) {
+    if (conn.free_ops.empty()) {
+      SendOp& op = conn.ops.emplace_back();
+      op.conn = &conn;
+      op.slot = static_cast<std::uint32_t>(conn.ops.size() - 1);
+      return op;
+    }
     const std::uint32_t slot = conn.free_ops.back();
     conn.free_ops.pop_back();
     return conn.ops[slot];
