@@ -366,14 +366,20 @@ class Runner:
         env = self.env(UCX_TLS="tcp") if backend == "ucx" else self.env()
         d = self.args.duration
 
+        # Polling like the reference: ucx_perftest and netio3-raw-fabric busy-poll, so the
+        # UCX and libfabric runs do too (EpollEventLoop busy_poll); iperf3, sockperf and
+        # ZeroMQ sleep in the kernel, and so does asyncmsg here.
+        poll = self.args.busy_poll if backend in ("ucx", "libfabric") else 0
+        poll_args = ["--busy-poll", poll]
+
         def client_argv(address, send, test, size):
             return [perf, "--client", address, "--backend", backend, "--mode", "tcp",
-                    "--send", send, "--size", size, "--duration", d, "--test", test]
+                    "--send", send, "--size", size, "--duration", d, "--test", test] + poll_args
 
         self.run_json_suite(
             "netio3", f"netio3-{backend}", lambda send, test: f"{backend} {send}",
             [perf, "--server", "--backend", backend, "--mode", "tcp", "--bind", HOST,
-             "--max-size", MAX_SIZE], client_argv, plan, env)
+             "--max-size", MAX_SIZE] + poll_args, client_argv, plan, env)
 
     def raw(self, group, key, server_extra, labels):
         binary = self.bins[key]
@@ -905,6 +911,9 @@ def parse_args(argv):
                    help="where the programs are built (default build/release)")
     p.add_argument("--sizes", default=",".join(map(str, SIZES)),
                    help="message sizes in bytes, comma separated (default 64,4096,65536,1048576)")
+    p.add_argument("--busy-poll", type=int, default=200, metavar="US",
+                   help="netio3-perf --busy-poll for the ucx and libfabric runs, whose "
+                        "references busy-poll (default 200 microseconds; 0: sleep in epoll)")
     p.add_argument("--only", default=",".join(GROUPS),
                    help=f"what to run, comma separated (default all: {','.join(GROUPS)})")
     args = p.parse_args(argv)

@@ -119,6 +119,7 @@ struct Connection : detail::ConnectionBase {
   FrameDecoder decoder;
   bool epollout{false};
   bool receive_paused{false};  // waiting for receive memory: not reading
+  bool large_messages{false};  // the last message was read directly: so will the next be
   std::size_t reserved{0};     // receive memory admitted for the message being assembled
 
   // Under `mutex`; `state` is written on the loop thread only.
@@ -685,6 +686,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
 
   bool deliver(const std::shared_ptr<Connection>& conn, std::span<const std::uint8_t> message) {
     if (!still_open(*conn)) return false;
+    conn->large_messages = message.size() >= FrameDecoder::DIRECT_MIN;
     m_notifier.data(conn->remote, message);
     return still_open(*conn);
   }
@@ -700,7 +702,13 @@ class Backend : public std::enable_shared_from_this<Backend> {
     for (int i = 0; i < READS_PER_EVENT; ++i) {
       std::span<std::uint8_t> target = conn->decoder.direct_target();
       const bool direct = !target.empty();
-      if (!direct) target = {m_scratch.get(), SCRATCH_SIZE};
+      if (!direct) {
+        // In a stream of large messages, read a frame header alone: the body then goes
+        // straight into its message instead of partly through the scratch buffer (one
+        // small read instead of copying what a full read brought of the body).
+        const bool header_only = conn->large_messages && conn->decoder.at_frame_start();
+        target = {m_scratch.get(), header_only ? FRAME_HEADER_SIZE : SCRATCH_SIZE};
+      }
       const ssize_t n = ::recv(fd, target.data(), target.size(), MSG_DONTWAIT);
       if (n > 0) {
         const auto got = static_cast<std::size_t>(n);

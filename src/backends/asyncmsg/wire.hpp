@@ -106,6 +106,10 @@ class FrameDecoder {
   [[nodiscard]] const std::string& error() const noexcept { return m_error; }
   [[nodiscard]] bool greeted() const noexcept { return m_stage != Stage::GREETING; }
   // True while a greeting, frame header or message has been started but not completed.
+  // True between frames: the next byte is the first of a frame header.
+  [[nodiscard]] bool at_frame_start() const noexcept {
+    return m_stage == Stage::HEADER && m_small_have == 0;
+  }
   [[nodiscard]] bool mid_item() const noexcept {
     return m_small_have > 0 || m_stage == Stage::BODY || m_stage == Stage::WAIT;
   }
