@@ -819,6 +819,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
     if (!prefix.empty())
       std::copy(prefix.begin(), prefix.end(), op.am_header.begin() + AM_HEADER_SIZE);
     op.am_header_len = AM_HEADER_SIZE + prefix.size();
+    if (conn.ep_close_started) return UCS_ERR_CANCELED;  // the endpoint is being closed
     ucp_request_param_t param{};
     param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
                          UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_DATATYPE;
@@ -1502,7 +1503,13 @@ class Backend : public std::enable_shared_from_this<Backend> {
       // that the set-up is over, or after close_timeout; on_message and on_ep_error come
       // back here.
       if (!conn->wired && !conn->timed_out) return;
-      conn->ep_close_started = true;
+      {
+        // Under the lock every post() holds: no thread sends on the endpoint once its close
+        // starts (an application thread may be posting the HELLO of open_active_endpoint
+        // while an endpoint error closes the connection here).
+        const std::lock_guard lock{conn->mutex};
+        conn->ep_close_started = true;
+      }
       forget_endpoint(*conn);
       ucp_request_param_t param{};
       param.op_attr_mask =
