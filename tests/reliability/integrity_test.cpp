@@ -286,14 +286,17 @@ class Side {
     const bool use_iov = ((h >> 16U) & 3U) == 0 && size - header_len >= 2;
     NetioStatus status = NetioStatus::FAILED;
     std::optional<std::uint64_t> expected;  // the key of a send call in progress
+    // Every mode, not only buffered: once the closed callback ran (it takes this lock
+    // exclusively) no send starts, so when the test checks the ledgers after the last
+    // closed callback no attempt sits between expect() and withdraw().
+    const std::shared_lock closed_guard{c.buffers_mutex};
+    if (c.closed) {
+      s.pending = nullptr;  // a held buffer went with its connection
+      return Attempt::GONE;
+    }
     try {
       switch (mode) {
         case SendMode::BUFFERED: {
-          const std::shared_lock lock{c.buffers_mutex};
-          if (c.closed) {
-            s.pending = nullptr;  // went with its connection
-            return Attempt::GONE;
-          }
           NetworkBuffer* buffer = s.pending;
           if (buffer == nullptr) {
             buffer = backend->get_buffer(c.to);
