@@ -1039,7 +1039,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
       active = active || n != 0 || work;
       dispatch();
       if (m_shut_down) return active;  // the backend is going: leave the flag set
-      if (n == 0 && !work && !has_work()) break;
+      if (n == 0 && !has_work()) break;
     }
     m_progressing = false;
     return active;
