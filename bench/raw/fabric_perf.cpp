@@ -246,7 +246,8 @@ constexpr std::string_view USAGE =
     "                    [--max-size BYTES] [--wait spin|fd] [--progress manual|auto] "
     "[--quiet]\n"
     "  netio3-raw-fabric --client IP:PORT --test throughput|latency --size BYTES\n"
-    "                    --duration SECONDS [--window N (64)] [--rx-depth N (2*window)]\n"
+    "                    --duration SECONDS [--window N (2 MiB worth, 8..64)] [--rx-depth N "
+    "(2*window)]\n"
     "                    [--credits on|off] [--provider tcp] [--wait spin|fd]\n"
     "                    [--progress manual|auto] [--json FILE] [--quiet]\n"
     "exit status: 0 every message arrived in order, 1 not, 2 bad options, 3 libfabric error\n";
@@ -412,6 +413,10 @@ Options parse_options(int argc, char** argv) {
   if (o.test == Test::latency && window_set && o.window != 1) {
     // Ping-pong has exactly one message outstanding; the window does not apply.
     if (!o.quiet) fmt::print(stderr, "raw-libfabric: --window is ignored by the latency test\n");
+  }
+  if (!window_set) {
+    // netio3-perf's default: about 2 MiB in flight, at least 8 messages (at most 64 here).
+    o.window = std::clamp<std::uint64_t>((std::uint64_t{2} << 20U) / o.size, 8, 64);
   }
   if (o.rx_depth == 0) o.rx_depth = o.test == Test::throughput ? 2 * o.window : 4;
   return o;

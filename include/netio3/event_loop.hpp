@@ -150,6 +150,13 @@ class BaseEventLoop {
                                                         bool semaphore) = 0;
   [[nodiscard]] virtual EventTimerHandle create_timer(std::function<void()> callback) = 0;
   [[nodiscard]] virtual PrepareHookHandle add_prepare_hook(PrepareHook hook) = 0;
+  // A prepare hook that polls a transport itself each time it runs (ucp_worker_progress,
+  // fi_cq_read), so that while the loop busy-polls the transport needs no epoll_wait to be
+  // noticed. A loop may then check its own descriptors less often than once per round
+  // (EpollEventLoop::Options::busy_poll_fd_interval). Otherwise as add_prepare_hook.
+  [[nodiscard]] virtual PrepareHookHandle add_polling_hook(PrepareHook hook) {
+    return add_prepare_hook(std::move(hook));
+  }
 
   // Number of times the loop returned from waiting for events (for tests and monitoring:
   // an idle loop does not wake up). Empty polls while busy-polling are not counted.
@@ -172,8 +179,15 @@ class EpollEventLoop final : public BaseEventLoop {
     // CPU while traffic flows for fewer wake-ups (lower latency, higher message rates).
     // An idle loop still sleeps. 0: never busy-poll.
     std::chrono::microseconds busy_poll{0};
+    // While busy-polling with a polling hook registered (add_polling_hook: the UCX and
+    // libfabric backends), the loop's own descriptors (sockets, timers, signals, post())
+    // are checked at most this often instead of every round, which saves a system call
+    // per round and so lowers the transport's latency. They may wait this long to be
+    // noticed. 0: every round. Without busy polling it does not apply.
+    std::chrono::microseconds busy_poll_fd_interval{10};
   };
-  // Options from the environment: NETIO3_BUSY_POLL_US (microseconds, default 0).
+  // Options from the environment: NETIO3_BUSY_POLL_US (microseconds, default 0) and
+  // NETIO3_BUSY_POLL_FD_INTERVAL_US (microseconds, default 10).
   EpollEventLoop();
   explicit EpollEventLoop(Options options);
   ~EpollEventLoop() override;
@@ -194,6 +208,7 @@ class EpollEventLoop final : public BaseEventLoop {
                                                 bool semaphore) override;
   [[nodiscard]] EventTimerHandle create_timer(std::function<void()> callback) override;
   [[nodiscard]] PrepareHookHandle add_prepare_hook(PrepareHook hook) override;
+  [[nodiscard]] PrepareHookHandle add_polling_hook(PrepareHook hook) override;
   [[nodiscard]] std::uint64_t wakeups() const noexcept override;
   [[nodiscard]] bool polling() const noexcept override;
 

@@ -17,6 +17,7 @@
 #include <cstring>
 #include <exception>
 #include <mutex>
+#include <optional>
 #include <stdexcept>
 #include <string_view>
 #include <sys/epoll.h>
@@ -70,6 +71,16 @@ struct Registration {
 };
 
 constexpr std::size_t MAX_EVENTS = 128;
+
+// A prepare hook. `closed` is set (under the hook mutex) when its handle closes: the loop
+// thread's snapshot of the hooks may still hold it, but never calls it again.
+struct Hook {
+  Hook(PrepareHook fn_, bool polls_transport_) noexcept
+      : fn{std::move(fn_)}, polls_transport{polls_transport_} {}
+  PrepareHook fn;
+  const bool polls_transport;
+  std::atomic<bool> closed{false};
+};
 // epoll_event.data of the loop's own wake-up eventfd (registrations are never at address 0).
 constexpr std::uint64_t WAKE_TAG = 0;
 
@@ -77,8 +88,11 @@ constexpr std::uint64_t WAKE_TAG = 0;
 
 class EpollEventLoop::Impl : public std::enable_shared_from_this<Impl> {
  public:
-  explicit Impl(std::chrono::microseconds busy_poll)
-      : m_busy_poll{std::chrono::duration_cast<std::chrono::steady_clock::duration>(busy_poll)} {
+  explicit Impl(const EpollEventLoop::Options& options)
+      : m_busy_poll{std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+            options.busy_poll)},
+        m_fd_interval{std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+            options.busy_poll_fd_interval)} {
     m_epfd = ::epoll_create1(EPOLL_CLOEXEC);
     if (m_epfd < 0) throw_errno("epoll_create1");
     m_wake_fd = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
@@ -118,22 +132,33 @@ class EpollEventLoop::Impl : public std::enable_shared_from_this<Impl> {
     }
     std::array<epoll_event, MAX_EVENTS> events{};
     const bool busy_poll = m_busy_poll.count() > 0;
-    auto poll_until = std::chrono::steady_clock::time_point{};
+    using Clock = std::chrono::steady_clock;
+    auto poll_until = Clock::time_point{};
+    auto next_fd_poll = Clock::time_point{};
     while (!m_stop.load(std::memory_order_acquire)) {
-      const bool spin = busy_poll && std::chrono::steady_clock::now() < poll_until;
+      const auto round_start = busy_poll ? Clock::now() : Clock::time_point{};
+      const bool spin = busy_poll && round_start < poll_until;
       m_polling.store(spin, std::memory_order_relaxed);
-      const bool may_sleep = run_prepare_hooks();
+      const HookRound hooks = run_prepare_hooks();
       clear_graveyard();
       if (m_stop.load(std::memory_order_acquire)) break;
+      if (spin && hooks.transport_polled && round_start < next_fd_poll) {
+        // A hook polled its transport this round; the descriptors wait for their turn
+        // (Options::busy_poll_fd_interval): one system call per round fewer.
+        if (!hooks.may_sleep) poll_until = Clock::now() + m_busy_poll;
+        continue;
+      }
       const int n = ::epoll_wait(m_epfd, events.data(), static_cast<int>(events.size()),
-                                 may_sleep && !spin ? -1 : 0);
+                                 hooks.may_sleep && !spin ? -1 : 0);
       if (n < 0) {
         if (errno == EINTR) continue;
         NETIO3_ERROR("event loop: epoll_wait failed: {}", std::strerror(errno));
         break;
       }
-      if (busy_poll && (n > 0 || !may_sleep)) {
-        poll_until = std::chrono::steady_clock::now() + m_busy_poll;
+      if (busy_poll) {
+        const auto now = Clock::now();
+        next_fd_poll = now + m_fd_interval;
+        if (n > 0 || !hooks.may_sleep) poll_until = now + m_busy_poll;
       }
       if (n > 0 || !spin) m_wakeups.fetch_add(1, std::memory_order_relaxed);
       for (int i = 0; i < n; ++i) {
@@ -157,6 +182,8 @@ class EpollEventLoop::Impl : public std::enable_shared_from_this<Impl> {
       for (auto& task : tasks) invoke_guarded("posted", task);
     }
     clear_graveyard();
+    m_hook_snapshot.clear();  // closed hooks' functions are released with it
+    m_snapshot_generation = 0;
     m_loop_thread.store(std::thread::id{});
     m_running.store(false);
   }
@@ -273,16 +300,22 @@ class EpollEventLoop::Impl : public std::enable_shared_from_this<Impl> {
     if (!in_loop_thread()) wake();
   }
 
-  void add_hook(const std::shared_ptr<PrepareHook>& hook) {
+  void add_hook(const std::shared_ptr<Hook>& hook) {
     const std::lock_guard lock{m_hook_mutex};
     m_hooks.push_back(hook);
-    m_hook_count.store(m_hooks.size(), std::memory_order_release);
+    m_hook_generation.fetch_add(1, std::memory_order_release);
   }
 
-  void remove_hook(const PrepareHook* hook) noexcept {
-    const std::lock_guard lock{m_hook_mutex};
-    std::erase_if(m_hooks, [hook](const auto& h) { return h.get() == hook; });
-    m_hook_count.store(m_hooks.size(), std::memory_order_release);
+  void remove_hook(const std::shared_ptr<Hook>& hook) noexcept {
+    {
+      const std::lock_guard lock{m_hook_mutex};
+      hook->closed.store(true, std::memory_order_release);
+      std::erase(m_hooks, hook);
+      m_hook_generation.fetch_add(1, std::memory_order_release);
+    }
+    // The loop thread's snapshot drops the hook's function in its next round: from another
+    // thread, make that round come now (as for fds, whose graveyard is emptied the same way).
+    if (!in_loop_thread()) wake();
   }
 
   [[nodiscard]] bool polling() const noexcept { return m_polling.load(std::memory_order_relaxed); }
@@ -322,31 +355,40 @@ class EpollEventLoop::Impl : public std::enable_shared_from_this<Impl> {
     }
   }
 
-  bool run_prepare_hooks() {
-    if (m_hook_count.load(std::memory_order_acquire) == 0) return true;
-    std::vector<std::shared_ptr<PrepareHook>> hooks;
-    {
+  struct HookRound {
+    bool may_sleep{true};
+    bool transport_polled{false};  // a hook that polls its transport ran
+  };
+
+  // Runs the hooks from a snapshot that is taken again only when a hook was added or
+  // closed (no lock and no copy per round while the set stays the same).
+  HookRound run_prepare_hooks() {
+    if (const auto generation = m_hook_generation.load(std::memory_order_acquire);
+        generation != m_snapshot_generation) {
       const std::lock_guard lock{m_hook_mutex};
-      hooks = m_hooks;
+      m_hook_snapshot = m_hooks;
+      m_snapshot_generation = m_hook_generation.load(std::memory_order_relaxed);
     }
-    bool may_sleep = true;
-    for (auto& hook : hooks) {
-      {
-        // Skip a hook closed since the copy was taken (e.g. by an earlier hook).
-        const std::lock_guard lock{m_hook_mutex};
-        if (std::find(m_hooks.begin(), m_hooks.end(), hook) == m_hooks.end()) continue;
-      }
+    HookRound round;
+    // By index: a hook may add or close hooks (the snapshot changes only next round), and
+    // the snapshot keeps every hook in it alive.
+    const std::size_t count = m_hook_snapshot.size();
+    for (std::size_t i = 0; i < count; ++i) {
+      Hook& hook = *m_hook_snapshot[i];
+      // Skip a hook closed since the snapshot was taken (e.g. by an earlier hook).
+      if (hook.closed.load(std::memory_order_acquire)) continue;
       bool ok = true;
       try {
-        ok = (*hook)();
+        ok = hook.fn();
       } catch (const std::exception& e) {
         NETIO3_ERROR("event loop: exception escaped a prepare hook: {}", e.what());
       } catch (...) {
         NETIO3_ERROR("event loop: unknown exception escaped a prepare hook");
       }
-      may_sleep = may_sleep && ok;
+      round.may_sleep = round.may_sleep && ok;
+      round.transport_polled = round.transport_polled || hook.polls_transport;
     }
-    return may_sleep;
+    return round;
   }
 
   void clear_graveyard() {
@@ -364,6 +406,7 @@ class EpollEventLoop::Impl : public std::enable_shared_from_this<Impl> {
   std::atomic<std::thread::id> m_loop_thread{};
   std::atomic<std::uint64_t> m_wakeups{0};
   const std::chrono::steady_clock::duration m_busy_poll;
+  const std::chrono::steady_clock::duration m_fd_interval;
   std::atomic<bool> m_polling{false};  // written and read on the loop thread
 
   std::mutex m_post_mutex;
@@ -375,8 +418,11 @@ class EpollEventLoop::Impl : public std::enable_shared_from_this<Impl> {
   std::vector<std::shared_ptr<Registration>> m_graveyard;
 
   std::mutex m_hook_mutex;
-  std::vector<std::shared_ptr<PrepareHook>> m_hooks;
-  std::atomic<std::size_t> m_hook_count{0};
+  std::vector<std::shared_ptr<Hook>> m_hooks;
+  std::atomic<std::uint64_t> m_hook_generation{0};
+  // Loop thread only.
+  std::vector<std::shared_ptr<Hook>> m_hook_snapshot;
+  std::uint64_t m_snapshot_generation{0};
 };
 
 namespace {
@@ -470,7 +516,7 @@ class EpollTimerSource final : public detail::TimerSource, SourceBase {
 
 class EpollHookSource final : public detail::EventSource {
  public:
-  EpollHookSource(std::weak_ptr<EpollEventLoop::Impl> loop, std::shared_ptr<PrepareHook> hook)
+  EpollHookSource(std::weak_ptr<EpollEventLoop::Impl> loop, std::shared_ptr<Hook> hook)
       : m_loop{std::move(loop)}, m_hook{std::move(hook)} {}
   ~EpollHookSource() override { EpollHookSource::close(); }
   EpollHookSource(const EpollHookSource&) = delete;
@@ -479,30 +525,39 @@ class EpollHookSource final : public detail::EventSource {
   EpollHookSource& operator=(EpollHookSource&&) = delete;
   void close() noexcept override {
     if (!m_hook) return;
-    if (auto l = m_loop.lock()) l->remove_hook(m_hook.get());
+    if (auto l = m_loop.lock()) l->remove_hook(m_hook);
     m_hook.reset();
   }
 
  private:
   std::weak_ptr<EpollEventLoop::Impl> m_loop;
-  std::shared_ptr<PrepareHook> m_hook;
+  std::shared_ptr<Hook> m_hook;
 };
 
 }  // namespace
 
 namespace {
+// Microseconds 0..1000000 from the environment variable `name`, if set and valid.
+std::optional<std::chrono::microseconds> microseconds_from_environment(const char* name) {
+  const char* text = std::getenv(name);
+  if (text == nullptr || *text == '\0') return std::nullopt;
+  unsigned long value = 0;
+  const std::string_view view{text};
+  const auto [end, ec] = std::from_chars(view.data(), view.data() + view.size(), value);
+  if (ec != std::errc{} || end != view.data() + view.size() || value > 1'000'000) {
+    NETIO3_WARN("event loop: {}='{}' is not 0..1000000 microseconds; ignored", name, view);
+    return std::nullopt;
+  }
+  return std::chrono::microseconds{value};
+}
+
 EpollEventLoop::Options options_from_environment() {
   EpollEventLoop::Options options;
-  if (const char* text = std::getenv("NETIO3_BUSY_POLL_US"); text != nullptr && *text != '\0') {
-    unsigned long value = 0;
-    const std::string_view view{text};
-    const auto [end, ec] = std::from_chars(view.data(), view.data() + view.size(), value);
-    if (ec != std::errc{} || end != view.data() + view.size() || value > 1'000'000) {
-      NETIO3_WARN("event loop: NETIO3_BUSY_POLL_US='{}' is not 0..1000000 microseconds; ignored",
-                  view);
-    } else {
-      options.busy_poll = std::chrono::microseconds{value};
-    }
+  if (const auto value = microseconds_from_environment("NETIO3_BUSY_POLL_US")) {
+    options.busy_poll = *value;
+  }
+  if (const auto value = microseconds_from_environment("NETIO3_BUSY_POLL_FD_INTERVAL_US")) {
+    options.busy_poll_fd_interval = *value;
   }
   return options;
 }
@@ -510,8 +565,7 @@ EpollEventLoop::Options options_from_environment() {
 
 EpollEventLoop::EpollEventLoop() : EpollEventLoop(options_from_environment()) {}
 
-EpollEventLoop::EpollEventLoop(Options options)
-    : m_impl{std::make_shared<Impl>(options.busy_poll)} {}
+EpollEventLoop::EpollEventLoop(Options options) : m_impl{std::make_shared<Impl>(options)} {}
 
 EpollEventLoop::~EpollEventLoop() {
   if (m_impl->is_running()) {
@@ -585,7 +639,13 @@ EventTimerHandle EpollEventLoop::create_timer(std::function<void()> callback) {
 }
 
 PrepareHookHandle EpollEventLoop::add_prepare_hook(PrepareHook hook) {
-  auto shared = std::make_shared<PrepareHook>(std::move(hook));
+  auto shared = std::make_shared<Hook>(std::move(hook), false);
+  m_impl->add_hook(shared);
+  return PrepareHookHandle{std::make_shared<EpollHookSource>(m_impl, std::move(shared))};
+}
+
+PrepareHookHandle EpollEventLoop::add_polling_hook(PrepareHook hook) {
+  auto shared = std::make_shared<Hook>(std::move(hook), true);
   m_impl->add_hook(shared);
   return PrepareHookHandle{std::make_shared<EpollHookSource>(m_impl, std::move(shared))};
 }

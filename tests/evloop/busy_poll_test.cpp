@@ -1,12 +1,20 @@
 // EpollEventLoop::Options::busy_poll: after activity the loop polls without sleeping (and
-// tells prepare hooks so through polling()), then sleeps once the window has passed.
+// tells prepare hooks so through polling()), then sleeps once the window has passed. With a
+// polling hook (add_polling_hook) its own descriptors are checked once per
+// busy_poll_fd_interval only.
 
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <memory>
+#include <mutex>
 #include <optional>
+#include <stdexcept>
+#include <sys/epoll.h>
 #include <thread>
+#include <unistd.h>
+#include <utility>
+#include <vector>
 
 #include <gtest/gtest.h>
 
@@ -154,6 +162,73 @@ TEST(EvloopBusyPoll, TheDefaultConstructorTakesTheWindowFromTheEnvironment) {
       hook.close();
       signal.close();
     });
+  }
+}
+
+// With a descriptor that is always ready, records the hook round and the time of every
+// round in which the loop checked its descriptors (the fd callback runs then).
+struct FdChecks {
+  std::atomic<int> rounds{0};  // hook rounds
+  std::mutex mutex;
+  std::vector<std::pair<int, std::chrono::steady_clock::time_point>> checks;
+  Counter count;
+};
+
+// Runs a loop that busy-polls with one hook (a polling one or a plain one) that always
+// reports work, and an always-ready pipe; returns once `wanted` descriptor checks were seen.
+std::vector<std::pair<int, std::chrono::steady_clock::time_point>> descriptor_checks(
+    std::chrono::microseconds fd_interval, bool polling_hook, int wanted) {
+  OptionsLoop lt{std::make_shared<EpollEventLoop>(EpollEventLoop::Options{
+      .busy_poll = std::chrono::microseconds{10'000'000}, .busy_poll_fd_interval = fd_interval})};
+  EpollEventLoop& loop = lt.loop();
+  const Pipe pipe = make_pipe();
+  const char byte = 1;
+  if (::write(pipe.write.get(), &byte, 1) != 1) throw std::runtime_error("pipe write");
+  FdChecks checks;
+  auto fd = loop.add_fd(pipe.read.get(), EPOLLIN, [&](std::uint32_t) {
+    const std::lock_guard lock{checks.mutex};
+    checks.checks.emplace_back(checks.rounds.load(), std::chrono::steady_clock::now());
+    checks.count.add();
+  });
+  auto round = [&] {
+    ++checks.rounds;
+    return false;  // found work: keep polling
+  };
+  auto hook = on_loop(loop, [&] {
+    return polling_hook ? loop.add_polling_hook(round) : loop.add_prepare_hook(round);
+  });
+  EXPECT_TRUE(checks.count.wait_at_least(wanted)) << "the descriptors were not checked";
+  on_loop(loop, [&] {
+    hook.close();
+    fd.close();
+  });
+  const std::lock_guard lock{checks.mutex};
+  return checks.checks;
+}
+
+TEST(EvloopBusyPoll, WithAPollingHookDescriptorsAreCheckedOncePerInterval) {
+  constexpr auto interval = std::chrono::milliseconds{50};
+  const auto checks = descriptor_checks(interval, true, 5);
+  ASSERT_GE(checks.size(), 5U);
+  // The first check may come before the loop started polling; from then on, one per
+  // interval with many hook rounds in between (every round would check them otherwise).
+  for (std::size_t i = 2; i < checks.size(); ++i) {
+    const auto rounds = checks[i].first - checks[i - 1].first;
+    const auto gap = checks[i].second - checks[i - 1].second;
+    EXPECT_GT(rounds, 1) << "check " << i;
+    EXPECT_GE(gap, interval - std::chrono::milliseconds{5}) << "check " << i;
+  }
+}
+
+TEST(EvloopBusyPoll, DescriptorsAreCheckedEveryRoundWithoutAPollingHookOrAnInterval) {
+  for (const auto& [interval, polling_hook] : {std::pair{std::chrono::microseconds{50'000}, false},
+                                               std::pair{std::chrono::microseconds{0}, true}}) {
+    const auto checks = descriptor_checks(interval, polling_hook, 50);
+    ASSERT_GE(checks.size(), 50U);
+    for (std::size_t i = 2; i < checks.size(); ++i) {
+      EXPECT_EQ(checks[i].first - checks[i - 1].first, 1)
+          << "check " << i << (polling_hook ? ", polling hook, interval 0" : ", plain hook");
+    }
   }
 }
 

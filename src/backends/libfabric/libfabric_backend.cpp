@@ -179,7 +179,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
 
   void start() {
     std::weak_ptr<Backend> weak = weak_from_this();
-    m_prepare = m_loop->add_prepare_hook([weak] {
+    m_prepare = m_loop->add_polling_hook([weak] {
       auto self = weak.lock();
       return !self || self->may_sleep();
     });

@@ -268,7 +268,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
     m_efd = m_loop->add_fd(m_worker->event_fd(), EPOLLIN, [weak](std::uint32_t) {
       if (auto self = weak.lock()) self->progress();
     });
-    m_prepare = m_loop->add_prepare_hook([weak] {
+    m_prepare = m_loop->add_polling_hook([weak] {
       auto self = weak.lock();
       return !self || self->may_sleep();
     });
