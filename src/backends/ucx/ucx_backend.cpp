@@ -1074,14 +1074,21 @@ class Backend : public std::enable_shared_from_this<Backend> {
   // Handles recorded events and inboxes until none is left (a handler may add more).
   void dispatch() {
     for (int guard = 0; guard < 1024 && !m_shut_down; ++guard) {
-      std::vector<Event> events;
+      // The spare vectors keep their capacity from round to round: recording an event
+      // does not allocate once the queues have grown (a nested dispatch, from a callback
+      // that progresses, finds them taken and starts empty ones).
+      std::vector<Event> events = std::move(m_spare_events);
       {
         const std::lock_guard lock{m_events_mutex};
         events.swap(m_events);
       }
-      std::vector<std::shared_ptr<Connection>> dirty;
+      std::vector<std::shared_ptr<Connection>> dirty = std::move(m_spare_dirty);
       dirty.swap(m_dirty);
-      if (events.empty() && dirty.empty()) return;
+      if (events.empty() && dirty.empty()) {
+        m_spare_events = std::move(events);
+        m_spare_dirty = std::move(dirty);
+        return;
+      }
       for (auto& event : events) {
         handle(event);
         if (m_shut_down) return;
@@ -1090,6 +1097,10 @@ class Backend : public std::enable_shared_from_this<Backend> {
         service_inbox(conn);
         if (m_shut_down) return;
       }
+      events.clear();
+      dirty.clear();
+      m_spare_events = std::move(events);
+      m_spare_dirty = std::move(dirty);
     }
   }
 
@@ -1580,9 +1591,11 @@ class Backend : public std::enable_shared_from_this<Backend> {
 
   detail::OptionalMutex m_events_mutex;
   std::vector<Event> m_events;
+  std::vector<Event> m_spare_events;  // loop thread only (dispatch)
   // Loop thread only.
   std::unordered_map<std::uint64_t, std::shared_ptr<Connection>> m_closing;
   std::vector<std::shared_ptr<Connection>> m_dirty;
+  std::vector<std::shared_ptr<Connection>> m_spare_dirty;  // loop thread only (dispatch)
   bool m_progressing{false};
   Incoming* m_delivering{nullptr};  // the message on_data_cb has now
 
