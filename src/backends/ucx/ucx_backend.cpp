@@ -983,11 +983,20 @@ class Backend : public std::enable_shared_from_this<Backend> {
       return UCS_INPROGRESS;
     }
     if (slot.length > 0) {
-      // Eager data UCX takes back on return, or prefix and payload joined: one copy.
-      slot.heap = std::make_unique_for_overwrite<std::uint8_t[]>(slot.length);
-      if (!prefix.empty()) std::memcpy(slot.heap.get(), prefix.data(), prefix.size());
-      if (length > 0) std::memcpy(slot.heap.get() + prefix.size(), data, length);
-      slot.data = slot.heap.get();
+      // Eager data UCX takes back on return, or prefix and payload joined: one copy, into
+      // a receive-pool buffer when one is free (no allocation per message), else the heap.
+      std::uint8_t* target = nullptr;
+      if (conn->recv && slot.length <= conn->recv->pool.buf_size()) {
+        slot.buffer = conn->recv->pool.acquire();
+        if (slot.buffer != nullptr) target = slot.buffer->data();
+      }
+      if (target == nullptr) {
+        slot.heap = std::make_unique_for_overwrite<std::uint8_t[]>(slot.length);
+        target = slot.heap.get();
+      }
+      if (!prefix.empty()) std::memcpy(target, prefix.data(), prefix.size());
+      if (length > 0) std::memcpy(target + prefix.size(), data, length);
+      slot.data = target;
     }
     return UCS_OK;
   }
