@@ -65,8 +65,11 @@ constexpr std::uint64_t MAX_REORDER = std::uint64_t{1} << 16U;
 constexpr std::size_t RECEIVE_WINDOW = std::size_t{64} << 20U;
 // Per wake-up: progress calls before the loop turns to other work.
 constexpr int PROGRESS_ROUNDS = 64;
-// A copy send's staging memory above this size is freed after use instead of kept.
-constexpr std::size_t STAGING_KEEP = std::size_t{64} << 10U;
+// Copy sends' staging memory a connection keeps for reuse (beyond it, freed after use).
+constexpr std::size_t STAGING_BUDGET = std::size_t{8} << 20U;
+// Staging memory from this size on is mapped (ucp_mem_map) when allocated, so that UCX can
+// send it zero-copy or by rendezvous instead of copying it once more into its own buffers.
+constexpr std::size_t STAGING_MAP_MIN = std::size_t{16} << 10U;
 
 enum class State { CONNECTING, ACCEPTING, OPEN, CLOSING, CLOSED };
 enum class CloseKind { LOCAL, PEER, ERROR };
@@ -96,7 +99,9 @@ struct SendOp {
   std::size_t am_header_len{0};
   std::array<std::uint8_t, HELLO_SIZE> hello{};
   std::array<ucp_dt_iov_t, MAX_IOV + 1> iov{};
-  std::vector<std::uint8_t> staging;  // copy sends
+  std::unique_ptr<std::uint8_t[]> staging;  // copy sends (not zero-filled)
+  std::size_t staging_capacity{0};
+  MemoryMap staging_map;  // declared after staging: unmapped before it is freed
 };
 
 // One message of a connection's inbox, by sequence number.
@@ -163,6 +168,7 @@ struct Connection : detail::ConnectionBase, std::enable_shared_from_this<Connect
   // addresses UCX holds as request user data. An idle connection holds none.
   std::deque<SendOp> ops;
   std::vector<std::uint32_t> free_ops;
+  std::size_t staging_bytes{0};  // held by ops' staging, in flight or kept
 
   // Loop thread only.
   std::shared_ptr<RecvPool> recv;
@@ -408,6 +414,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
       }
       conn->region_map = MemoryMap{};
       conn->send_map = MemoryMap{};
+      unmap_staging(*conn);
       if (conn->recv) conn->recv->map = MemoryMap{};
     }
     for (const auto& listener : all.listeners) {
@@ -714,14 +721,15 @@ class Backend : public std::enable_shared_from_this<Backend> {
       ucp_mem_h memh = nullptr;
       ucp_datatype_t datatype = ucp_dt_make_contig(1);
       if (kind == SendKind::COPY) {
-        op.staging.resize(size);
-        std::uint8_t* out = op.staging.data();
+        if (op.staging_capacity < size) grow_staging(conn, op, size);
+        memh = op.staging_map.get();
+        std::uint8_t* out = op.staging.get();
         if (!header.empty()) out = std::copy(header.begin(), header.end(), out);
         for (const auto& v : payload) {
           if (v.iov_len > 0) std::memcpy(out, v.iov_base, v.iov_len);
           out += v.iov_len;
         }
-        buffer = op.staging.data();
+        buffer = op.staging.get();
         count = size;
       } else if (payload.size() == 1) {
         // The header travels in the UCX header (the prefix): the payload is one contiguous
@@ -804,8 +812,39 @@ class Backend : public std::enable_shared_from_this<Backend> {
     return conn.ops[slot];
   }
   static void release_op(Connection& conn, SendOp& op) {
-    if (op.staging.capacity() > STAGING_KEEP) op.staging = {};
+    if (op.staging_capacity > 0 && conn.staging_bytes > STAGING_BUDGET) {
+      conn.staging_bytes -= op.staging_capacity;
+      op.staging_map = MemoryMap{};
+      op.staging.reset();
+      op.staging_capacity = 0;
+    }
     conn.free_ops.push_back(op.slot);
+  }
+
+  // Copy sends' staging memory mappings go with the endpoint's (the memory itself with the
+  // connection object).
+  static void unmap_staging(Connection& conn) {
+    const std::lock_guard lock{conn.mutex};
+    for (auto& op : conn.ops) op.staging_map = MemoryMap{};
+  }
+
+  // Under conn.mutex: staging memory for a copy send of `size` bytes, mapped if it is large
+  // (unmapped if the mapping fails: UCX then copies it into its own buffers).
+  void grow_staging(Connection& conn, SendOp& op, std::size_t size) {
+    conn.staging_bytes -= op.staging_capacity;
+    op.staging_map = MemoryMap{};
+    op.staging.reset();
+    op.staging_capacity = 0;
+    op.staging = std::make_unique_for_overwrite<std::uint8_t[]>(size);
+    op.staging_capacity = size;
+    conn.staging_bytes += size;
+    if (size < STAGING_MAP_MIN) return;
+    try {
+      op.staging_map = MemoryMap{m_worker->context(), {op.staging.get(), size}};
+    } catch (const std::exception& e) {
+      NETIO3_DEBUG("ucx: copy sends to {}: staging memory stays unmapped: {}", conn.remote,
+                   e.what());
+    }
   }
 
   // Under conn.mutex. UCS_INPROGRESS: the request completes later (SEND_DONE); UCS_OK: it
@@ -1574,6 +1613,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
     conn->inbox.clear();
     conn->region_map = MemoryMap{};
     conn->send_map = MemoryMap{};
+    unmap_staging(*conn);
   }
 
  public:
