@@ -185,21 +185,24 @@ std::vector<std::pair<int, std::chrono::steady_clock::time_point>> descriptor_ch
   const char byte = 1;
   if (::write(pipe.write.get(), &byte, 1) != 1) throw std::runtime_error("pipe write");
   FdChecks checks;
-  auto fd = loop.add_fd(pipe.read.get(), EPOLLIN, [&](std::uint32_t) {
-    const std::lock_guard lock{checks.mutex};
-    checks.checks.emplace_back(checks.rounds.load(), std::chrono::steady_clock::now());
-    checks.count.add();
-  });
   auto round = [&] {
     ++checks.rounds;
     return false;  // found work: keep polling
   };
-  auto hook = on_loop(loop, [&] {
-    return polling_hook ? loop.add_polling_hook(round) : loop.add_prepare_hook(round);
+  // Both from the loop thread, the hook first: no descriptor check comes before the hook's
+  // first round (a loop with the fd but no hook yet checks it round after round).
+  std::optional<PrepareHookHandle> hook;
+  auto fd = on_loop(loop, [&] {
+    hook = polling_hook ? loop.add_polling_hook(round) : loop.add_prepare_hook(round);
+    return loop.add_fd(pipe.read.get(), EPOLLIN, [&](std::uint32_t) {
+      const std::lock_guard lock{checks.mutex};
+      checks.checks.emplace_back(checks.rounds.load(), std::chrono::steady_clock::now());
+      checks.count.add();
+    });
   });
   EXPECT_TRUE(checks.count.wait_at_least(wanted)) << "the descriptors were not checked";
   on_loop(loop, [&] {
-    hook.close();
+    hook->close();
     fd.close();
   });
   const std::lock_guard lock{checks.mutex};

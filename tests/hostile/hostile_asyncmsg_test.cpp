@@ -1074,9 +1074,11 @@ TEST_F(HostileAsyncmsg, ResetAtEveryStage) {
       EXPECT_TRUE(m_checker.wait_received(stream, 10, PROMPT));
     }
     if (stage == MID_FLOOD) {
-      // Reset while the kernel still holds unsent parts of a big frame.
+      // Reset while the kernel still holds unsent parts of a big frame. Its last byte is
+      // never sent: a kernel that takes all it is given must not make the frame complete
+      // (it did once under ASan, and the server rightly delivered it).
       const Bytes big = make_frame(stream, 0, 4 << 20);
-      const ssize_t n = ::send(peer.fd(), big.data(), big.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+      const ssize_t n = ::send(peer.fd(), big.data(), big.size() - 1, MSG_NOSIGNAL | MSG_DONTWAIT);
       EXPECT_GT(n, 0);
     } else if (stage != GREETING_UNREAD) {
       ASSERT_NO_FATAL_FAILURE(wait_consumed(peer));
