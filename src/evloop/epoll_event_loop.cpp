@@ -638,16 +638,21 @@ EventTimerHandle EpollEventLoop::create_timer(std::function<void()> callback) {
   return EventTimerHandle{std::make_shared<EpollTimerSource>(m_impl, std::move(reg))};
 }
 
+namespace {
+PrepareHookHandle register_hook(const std::shared_ptr<EpollEventLoop::Impl>& impl, PrepareHook hook,
+                                bool polls_transport) {
+  auto shared = std::make_shared<Hook>(std::move(hook), polls_transport);
+  impl->add_hook(shared);
+  return PrepareHookHandle{std::make_shared<EpollHookSource>(impl, std::move(shared))};
+}
+}  // namespace
+
 PrepareHookHandle EpollEventLoop::add_prepare_hook(PrepareHook hook) {
-  auto shared = std::make_shared<Hook>(std::move(hook), false);
-  m_impl->add_hook(shared);
-  return PrepareHookHandle{std::make_shared<EpollHookSource>(m_impl, std::move(shared))};
+  return register_hook(m_impl, std::move(hook), false);
 }
 
 PrepareHookHandle EpollEventLoop::add_polling_hook(PrepareHook hook) {
-  auto shared = std::make_shared<Hook>(std::move(hook), true);
-  m_impl->add_hook(shared);
-  return PrepareHookHandle{std::make_shared<EpollHookSource>(m_impl, std::move(shared))};
+  return register_hook(m_impl, std::move(hook), true);
 }
 
 }  // namespace netio3

@@ -60,6 +60,19 @@ std::size_t auto_window(std::size_t size) {
   return std::clamp<std::size_t>((std::size_t{2} << 20U) / std::max<std::size_t>(size, 1), 8, 1024);
 }
 
+// Puts a message's payload at `where`: all of it, or (LIGHT verification, which reads the
+// first and the last byte) just those two bytes, as an application that fills its data in
+// place would.
+void place_payload(std::uint8_t* where, std::span<const std::uint8_t> payload, bool whole) {
+  if (payload.empty()) return;
+  if (whole) {
+    std::memcpy(where, payload.data(), payload.size());
+    return;
+  }
+  where[0] = payload.front();
+  where[payload.size() - 1] = payload.back();
+}
+
 struct AlignedFree {
   void operator()(std::uint8_t* p) const noexcept { std::free(p); }
 };
@@ -436,16 +449,9 @@ NetioStatus Run::send_message(Conn& c, const Header& h, std::span<const std::uin
         buffer->clear();
       }
       buffer->write(header);
-      if (control || m_options.verify == Verify::FULL || rest.size() < 2) {
-        buffer->write(rest);
-      } else {
-        // LIGHT verification reads the first and the last byte: produce just those, as an
-        // application that fills its buffer in place would (as for zero-copy below).
-        std::uint8_t* where = buffer->data() + buffer->size();
-        buffer->resize(buffer->size() + rest.size());
-        where[0] = rest.front();
-        where[rest.size() - 1] = rest.back();
-      }
+      std::uint8_t* where = buffer->data() + buffer->size();
+      buffer->resize(buffer->size() + rest.size());
+      place_payload(where, rest, control || m_options.verify == Verify::FULL);
       status = m_backend->send_buffer(c.address, buffer);
       if (status == NetioStatus::NO_RESOURCES) c.held = buffer;
       break;
@@ -457,14 +463,7 @@ NetioStatus Run::send_message(Conn& c, const Header& h, std::span<const std::uin
       const std::size_t slot = control ? m_window : h.seq % m_window;
       if (c.slot_busy[slot].load(std::memory_order_acquire)) return NetioStatus::NO_RESOURCES;
       std::uint8_t* where = c.region.get() + slot * m_slot;
-      if (control || m_options.verify == Verify::FULL) {
-        if (!rest.empty()) std::memcpy(where, rest.data(), rest.size());
-      } else if (!rest.empty()) {
-        // LIGHT verification reads the first and the last byte: produce just those, as an
-        // application that fills its data in place would.
-        where[0] = rest.front();
-        where[rest.size() - 1] = rest.back();
-      }
+      place_payload(where, rest, control || m_options.verify == Verify::FULL);
       c.slot_busy[slot].store(true, std::memory_order_relaxed);
       status = m_backend->send_data(c.address, std::span<std::uint8_t>{where, rest.size()}, header,
                                     control ? CONTROL_KEY : h.seq);

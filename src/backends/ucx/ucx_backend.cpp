@@ -812,13 +812,16 @@ class Backend : public std::enable_shared_from_this<Backend> {
     return conn.ops[slot];
   }
   static void release_op(Connection& conn, SendOp& op) {
-    if (op.staging_capacity > 0 && conn.staging_bytes > STAGING_BUDGET) {
-      conn.staging_bytes -= op.staging_capacity;
-      op.staging_map = MemoryMap{};
-      op.staging.reset();
-      op.staging_capacity = 0;
-    }
+    if (op.staging_capacity > 0 && conn.staging_bytes > STAGING_BUDGET) free_staging(conn, op);
     conn.free_ops.push_back(op.slot);
+  }
+
+  // Under conn.mutex: unmaps and frees an op's staging memory.
+  static void free_staging(Connection& conn, SendOp& op) {
+    conn.staging_bytes -= op.staging_capacity;
+    op.staging_map = MemoryMap{};
+    op.staging.reset();
+    op.staging_capacity = 0;
   }
 
   // Copy sends' staging memory mappings go with the endpoint's (the memory itself with the
@@ -831,10 +834,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
   // Under conn.mutex: staging memory for a copy send of `size` bytes, mapped if it is large
   // (unmapped if the mapping fails: UCX then copies it into its own buffers).
   void grow_staging(Connection& conn, SendOp& op, std::size_t size) {
-    conn.staging_bytes -= op.staging_capacity;
-    op.staging_map = MemoryMap{};
-    op.staging.reset();
-    op.staging_capacity = 0;
+    free_staging(conn, op);
     op.staging = std::make_unique_for_overwrite<std::uint8_t[]>(size);
     op.staging_capacity = size;
     conn.staging_bytes += size;
