@@ -91,6 +91,36 @@ class Lifecycle : public testing::TestWithParam<LifecycleParam> {
     });
   }
 
+  // One send attempt of message `index` of `size` bytes (no retry; zero-copy sends it from
+  // region[index * size]); records the key if accepted.
+  NetioStatus try_send(Node& client, const EndPointAddress& to, std::uint64_t index,
+                       std::size_t size, std::vector<std::uint64_t>& accepted) {
+    const auto message = test::pattern(index, size);
+    NetioStatus status = NetioStatus::FAILED;
+    std::uint64_t key = index;
+    switch (GetParam().mode) {
+      case SendMode::BUFFERED: {
+        auto* buffer = client.backend->get_buffer(to);
+        if (buffer == nullptr) return NetioStatus::NO_RESOURCES;
+        buffer->write(std::span<const std::uint8_t>{message});
+        key = buffer->id();
+        status = client.backend->send_buffer(to, buffer);
+        break;
+      }
+      case SendMode::ZERO_COPY: {
+        auto* where = region.data() + index * size;
+        std::memcpy(where, message.data(), size);
+        status = client.backend->send_data(to, std::span<std::uint8_t>{where, size}, {}, index);
+        break;
+      }
+      case SendMode::COPY:
+        status = client.backend->send_data_copy(to, message, {}, index);
+        break;
+    }
+    if (status == NetioStatus::OK) accepted.push_back(key);
+    return status;
+  }
+
   std::vector<std::uint8_t> region;
 };
 
@@ -151,33 +181,8 @@ TEST_P(Lifecycle, StalledPeerGivesNoResourcesAndCloseCancelsOutstandingKeys) {
 
   const std::size_t size = 60 * 1024;
   std::vector<std::uint64_t> accepted;
-  // One send attempt of message `index` (no retry); records the key if accepted.
   const auto try_send = [&](std::uint64_t index) {
-    const auto message = test::pattern(index, size);
-    NetioStatus status = NetioStatus::FAILED;
-    std::uint64_t key = index;
-    switch (GetParam().mode) {
-      case SendMode::BUFFERED: {
-        auto* buffer = client->backend->get_buffer(listen);
-        if (buffer == nullptr) return NetioStatus::NO_RESOURCES;
-        buffer->write(std::span<const std::uint8_t>{message});
-        key = buffer->id();
-        status = client->backend->send_buffer(listen, buffer);
-        break;
-      }
-      case SendMode::ZERO_COPY: {
-        auto* where = region.data() + index * size;
-        std::memcpy(where, message.data(), size);
-        status =
-            client->backend->send_data(listen, std::span<std::uint8_t>{where, size}, {}, index);
-        break;
-      }
-      case SendMode::COPY:
-        status = client->backend->send_data_copy(listen, message, {}, index);
-        break;
-    }
-    if (status == NetioStatus::OK) accepted.push_back(key);
-    return status;
+    return this->try_send(*client, listen, index, size, accepted);
   };
   bool saw_no_resources = false;
   std::uint64_t index = 0;
@@ -207,6 +212,62 @@ TEST_P(Lifecycle, StalledPeerGivesNoResourcesAndCloseCancelsOutstandingKeys) {
   for (const auto& e : events) {
     if (e.kind != Kind::CLOSED || GetParam().mode == SendMode::BUFFERED) continue;
     EXPECT_TRUE(std::is_sorted(e.keys.begin(), e.keys.end()));
+  }
+}
+
+// The peer sends a message and closes as soon as it went out. The client's sends from that
+// message's data callback, which a transport may finish at once and report from a queue
+// (UCX), reach the peer's connection before its close does: each ends exactly once, and
+// every completion comes before the closed callback, on every round.
+TEST_P(Lifecycle, SendsFromTheLastDataCallbackEndBeforeThePeersClose) {
+  auto server = make_node();
+  auto client = make_node();
+  const auto listen = listen_on(*server);
+  constexpr std::size_t SIZE = 64;
+  constexpr std::uint64_t SENDS = 8;
+  constexpr std::size_t ROUNDS = 5;
+  std::vector<std::uint64_t> accepted;  // on the client's loop thread until its closed callback
+  std::uint64_t next = 0;
+  client->rec.set_hook([&](const Recorder::Event& e, std::span<const std::uint8_t>) {
+    if (e.kind != Kind::DATA) return;
+    for (std::uint64_t i = 0; i < SENDS; ++i) {
+      EXPECT_EQ(try_send(*client, listen, next++, SIZE, accepted), NetioStatus::OK);
+    }
+  });
+  // The server closes as soon as its message went out (a close on the loop thread would
+  // cancel it while it is queued).
+  server->rec.set_hook([&](const Recorder::Event& e, std::span<const std::uint8_t>) {
+    if (e.kind == Kind::COMPLETED) server->backend->close_active_endpoint(e.remote);
+  });
+  for (std::size_t round = 0; round < ROUNDS; ++round) {
+    // This round's events are those from here on (a late completion of an earlier round
+    // would be among them and unbalance the ledger).
+    const std::size_t start = client->rec.snapshot().size();
+    connect(*client, listen);
+    ASSERT_TRUE(server->rec.wait(
+        [&](const Recorder& r) { return r.count(Kind::ESTABLISHED) == round + 1; }));
+    ASSERT_TRUE(client->rec.wait(
+        [&](const Recorder& r) { return r.count(Kind::ESTABLISHED, listen) == round + 1; }));
+    EndPointAddress accepted_side;
+    for (const auto& e : server->rec.snapshot()) {
+      if (e.kind == Kind::ESTABLISHED) accepted_side = e.remote;  // the newest
+    }
+    server->loop.loop()->run_sync([&] {
+      NetworkBuffer* buffer = server->backend->get_buffer(accepted_side);
+      ASSERT_NE(buffer, nullptr);
+      buffer->write(std::span<const std::uint8_t>{test::pattern(round, SIZE)});
+      ASSERT_EQ(server->backend->send_buffer(accepted_side, buffer), NetioStatus::OK);
+    });
+    ASSERT_TRUE(client->rec.wait(
+        [&](const Recorder& r) { return r.count(Kind::CLOSED, listen) == round + 1; }));
+    const auto events = client->rec.snapshot();
+    std::vector<std::uint64_t> keys;
+    client->loop.loop()->run_sync([&] { keys = std::exchange(accepted, {}); });
+    EXPECT_EQ(keys.size(), SENDS) << "the data callback ran once, before the close";
+    expect_ledger_balanced({events.begin() + static_cast<std::ptrdiff_t>(start), events.end()},
+                           listen, keys);
+    ASSERT_TRUE(server->rec.wait(
+        [&](const Recorder& r) { return r.count(Kind::CLOSED, accepted_side) == 1; }));
   }
 }
 

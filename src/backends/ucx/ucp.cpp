@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <string_view>
 #include <utility>
 
 #include <fmt/format.h>
@@ -27,6 +28,13 @@ TransportChoice choose_transports(NetworkMode mode) {
 
 namespace {
 
+// Whether a UCX_TLS value may select the tcp transport ("" and "all" select every one, a
+// leading '^' excludes the ones listed).
+bool may_use_tcp(std::string_view tls) {
+  return tls.empty() || tls.starts_with('^') || tls.find("all") != std::string_view::npos ||
+         tls.find("tcp") != std::string_view::npos;
+}
+
 struct ConfigDeleter {
   void operator()(ucp_config_t* config) const noexcept { ucp_config_release(config); }
 };
@@ -41,6 +49,16 @@ Worker::Worker(const TransportChoice& transports, ThreadSafetyModel model) {
   // own is written over it.
   if (!transports.from_environment && !transports.tls.empty()) {
     check("ucp_config_modify(TLS)", ucp_config_modify(config.get(), "TLS", transports.tls.c_str()));
+  }
+  // UCX 1.13's tcp transport aborts (tcp_ep.c:939, PUT_TX_WAITING_ACK) when a PUT
+  // acknowledgement arrives after its endpoint's sends were cancelled, as happens when a
+  // peer closes during rendezvous traffic: rendezvous over tcp then goes by active messages
+  // instead of PUT. UCX_TCP_PUT_ENABLE in the environment still decides. The key is the tcp
+  // transport's own (UCX hands keys it does not know to every transport it opens, and warns
+  // if none takes it: so only where tcp may be among them).
+  if (const char* env = std::getenv("UCX_TCP_PUT_ENABLE");
+      (env == nullptr || *env == '\0') && may_use_tcp(transports.tls)) {
+    check("ucp_config_modify(PUT_ENABLE)", ucp_config_modify(config.get(), "PUT_ENABLE", "n"));
   }
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;

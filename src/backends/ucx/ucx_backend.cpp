@@ -160,6 +160,9 @@ struct Connection : detail::ConnectionBase, std::enable_shared_from_this<Connect
   std::uint64_t tx_seq{0};
   std::size_t data_ops{0};  // data sends in flight
   std::size_t requests{0};  // send requests UCX holds (data and control)
+  // Sends that completed at once, whose SENT_AT_ONCE event is not handled yet: the close
+  // is reported after their completions.
+  std::size_t completions_queued{0};
   ucp_mem_h send_memh{nullptr};
   MemoryMap send_map;  // own send pool
   std::span<std::uint8_t> region;
@@ -752,11 +755,12 @@ class Backend : public std::enable_shared_from_this<Backend> {
         ++conn.data_ops;
         conn.unsent_bytes += size;
       } else if (status == UCS_OK) {
-        // Gone at once: completed now, reported from the loop (queued under the lock, so
-        // before any close of this connection can be reported).
+        // Gone at once: completed now, reported from the loop. The close is reported only
+        // once every such completion has been (maybe_finish waits for completions_queued).
         detail::PendingSend done;
         conn.ledger.complete(op.ticket, done);
         release_op(conn, op);
+        ++conn.completions_queued;
         push_event(Event{.kind = Event::Kind::SENT_AT_ONCE,
                          .conn = conn.shared_from_this(),
                          .key = done.key,
@@ -1157,10 +1161,17 @@ class Backend : public std::enable_shared_from_this<Backend> {
       case Event::Kind::CONN_REQUEST:
         on_connection_request(event.listener, event.request);
         return;
-      case Event::Kind::SENT_AT_ONCE:
-        if (event.buffer != nullptr) event.conn->send_pool->release(event.buffer);
-        m_notifier.send_completed(event.conn->remote, event.key);
+      case Event::Kind::SENT_AT_ONCE: {
+        const auto& conn = event.conn;
+        {
+          const std::lock_guard lock{conn->mutex};
+          --conn->completions_queued;
+        }
+        if (event.buffer != nullptr) conn->send_pool->release(event.buffer);
+        m_notifier.send_completed(conn->remote, event.key);
+        if (conn->state == State::CLOSING) maybe_finish(conn);
         return;
+      }
       default:
         break;
     }
@@ -1588,15 +1599,16 @@ class Backend : public std::enable_shared_from_this<Backend> {
     maybe_finish(conn);
   }
 
-  // Reports the close once the endpoint's close has started and UCX holds no send request
-  // of the connection; frees it once the endpoint is closed and no receive is in flight.
+  // Reports the close once the endpoint's close has started, UCX holds no send request of
+  // the connection and every send that completed at once was reported; frees it once the
+  // endpoint is closed and no receive is in flight.
   void maybe_finish(const std::shared_ptr<Connection>& conn) {
     if (!conn->ep_close_started) return;
     if (!conn->reported) {
       std::vector<std::uint64_t> keys;
       {
         const std::lock_guard lock{conn->mutex};
-        if (conn->requests > 0) return;
+        if (conn->requests > 0 || conn->completions_queued > 0) return;
         conn->state = State::CLOSED;
         keys = detail::cancel_all_sends(conn->ledger, conn->send_pool);
       }
