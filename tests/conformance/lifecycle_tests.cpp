@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdio>
 #include <cstring>
 #include <map>
 #include <set>
@@ -217,8 +218,9 @@ TEST_P(Lifecycle, StalledPeerGivesNoResourcesAndCloseCancelsOutstandingKeys) {
 
 // The peer sends a message and closes as soon as it went out. The client's sends from that
 // message's data callback, which a transport may finish at once and report from a queue
-// (UCX), reach the peer's connection before its close does: each ends exactly once, and
-// every completion comes before the closed callback, on every round.
+// (UCX), race with the close: each one accepted ends exactly once, and every completion
+// comes before the closed callback, on every round. A send may also be refused (FAILED)
+// when the transport learnt of the close first (UCX under load: "Endpoint timeout").
 TEST_P(Lifecycle, SendsFromTheLastDataCallbackEndBeforeThePeersClose) {
   auto server = make_node();
   auto client = make_node();
@@ -226,12 +228,15 @@ TEST_P(Lifecycle, SendsFromTheLastDataCallbackEndBeforeThePeersClose) {
   constexpr std::size_t SIZE = 64;
   constexpr std::uint64_t SENDS = 8;
   constexpr std::size_t ROUNDS = 5;
-  std::vector<std::uint64_t> accepted;  // on the client's loop thread until its closed callback
+  // On the client's loop thread until its closed callback.
+  std::vector<std::uint64_t> accepted;
   std::uint64_t next = 0;
+  std::size_t attempts = 0;
+  std::size_t accepted_in_all = 0;
   client->rec.set_hook([&](const Recorder::Event& e, std::span<const std::uint8_t>) {
     if (e.kind != Kind::DATA) return;
-    for (std::uint64_t i = 0; i < SENDS; ++i) {
-      EXPECT_EQ(try_send(*client, listen, next++, SIZE, accepted), NetioStatus::OK);
+    for (std::uint64_t i = 0; i < SENDS; ++i, ++attempts) {
+      EXPECT_NE(try_send(*client, listen, next++, SIZE, accepted), NetioStatus::NO_RESOURCES);
     }
   });
   // The server closes as soon as its message went out (a close on the loop thread would
@@ -262,13 +267,19 @@ TEST_P(Lifecycle, SendsFromTheLastDataCallbackEndBeforeThePeersClose) {
         [&](const Recorder& r) { return r.count(Kind::CLOSED, listen) == round + 1; }));
     const auto events = client->rec.snapshot();
     std::vector<std::uint64_t> keys;
-    client->loop.loop()->run_sync([&] { keys = std::exchange(accepted, {}); });
-    EXPECT_EQ(keys.size(), SENDS) << "the data callback ran once, before the close";
+    std::size_t tried = 0;
+    client->loop.loop()->run_sync([&] {
+      keys = std::exchange(accepted, {});
+      tried = std::exchange(attempts, 0);
+    });
+    EXPECT_EQ(tried, SENDS) << "the data callback ran once, before the close";
+    accepted_in_all += keys.size();
     expect_ledger_balanced({events.begin() + static_cast<std::ptrdiff_t>(start), events.end()},
                            listen, keys);
     ASSERT_TRUE(server->rec.wait(
         [&](const Recorder& r) { return r.count(Kind::CLOSED, accepted_side) == 1; }));
   }
+  std::printf("[ measure  ] %zu of %zu sends accepted\n", accepted_in_all, ROUNDS * SENDS);
 }
 
 TEST_P(Lifecycle, PeerCloseReachesBothSidesAndTheAddressCanBeReused) {
