@@ -535,9 +535,19 @@ class Runner:
                     self.add(failed(label, "ucx_perftest", test, size, str(e),
                                     tool="ucx_perftest", backend="ucx"))
 
+    def ucx_reference_env(self):
+        """UCX_TLS=tcp, and the tcp transport's PUT protocol as netio3's UCX backend uses it.
+
+        netio3 turns tcp PUT zcopy off in its own UCP configuration unless UCX_TCP_PUT_ENABLE
+        is set (UCX 1.13 aborts in it when a peer closes with rendezvous sends in flight;
+        docs/ucx.md). ucx_perftest gets the same setting, so both sides of the ratio run the
+        same rendezvous protocol."""
+        put = os.environ.get("UCX_TCP_PUT_ENABLE", "n")
+        return self.env(UCX_TLS="tcp", UCX_TCP_PUT_ENABLE=put), put
+
     def ucx_once(self, label, size, iterations, tag):
         """One ucx_perftest server + client; returns the numbers of its final line."""
-        env = self.env(UCX_TLS="tcp")
+        env, _ = self.ucx_reference_env()
         port = free_port()
         server = Server(f"ucx_perftest-{label}-{size}", ["ucx_perftest", "-p", port], self.logs,
                         env=env, port=port)
@@ -566,6 +576,7 @@ class Runner:
         else:
             guess = 20000.0
             rate = lambda v: 1e6 / (2 * v[3])  # noqa: E731 - round trips per second
+        _, put = self.ucx_reference_env()
         calibration = self.ucx_once(label, size, max(20, int(guess * 0.2)), "calibration")
         iterations = max(100, int(rate(calibration) * self.args.duration))
         v = self.ucx_once(label, size, iterations, "run")
@@ -574,14 +585,16 @@ class Runner:
             return record(label, "ucx_perftest", tool="ucx_perftest", backend="ucx",
                           send="ucp_am_bw", test=test, size=size, duration_s=v[0] / per_s,
                           messages=int(v[0]), bytes=int(v[0]) * size, msgs_per_s=per_s,
-                          bytes_per_s=per_s * size, note="UCX_TLS=tcp; overall message rate")
+                          bytes_per_s=per_s * size,
+                          note=f"UCX_TLS=tcp, UCX_TCP_PUT_ENABLE={put}; overall message rate")
         # Latency tests print half the round trip: doubled here.
         round_trips = 1e6 / (2 * v[3])
         return record(label, "ucx_perftest", tool="ucx_perftest", backend="ucx",
                       send="ucp_am_lat", test=test, size=size, duration_s=v[0] / round_trips,
                       messages=int(v[0]), bytes=int(v[0]) * size, msgs_per_s=round_trips,
                       bytes_per_s=round_trips * size, p50_us=2 * v[1], one_way_p50_us=v[1],
-                      note="UCX_TLS=tcp; round trip = 2 x ucx_perftest's latency")
+                      note=f"UCX_TLS=tcp, UCX_TCP_PUT_ENABLE={put}; "
+                           "round trip = 2 x ucx_perftest's latency")
 
     # -- all --
 
@@ -613,17 +626,26 @@ class Runner:
         for d in (self.logs, self.runs):
             d.mkdir(parents=True, exist_ok=True)
         units = self.units()
+        sizes, latency_sizes = self.sizes, self.latency_sizes
         rounds = self.args.repeat
         self.round_seconds = []
         for i in range(rounds):
             self.round = i + 1
+            # Size by size, so that the two sides of a ratio run within a minute or so of each
+            # other (this machine's speed drifts within minutes); every other round backwards.
             order = units if i % 2 == 0 else units[::-1]
-            print(f"-- round {self.round} of {rounds}: {', '.join(n for n, _ in order)}",
-                  flush=True)
+            slices = sizes if i % 2 == 0 else sizes[::-1]
+            print(f"-- round {self.round} of {rounds}: size by size "
+                  f"({', '.join(size_name(n) for n in slices)}), each "
+                  f"{', '.join(n for n, _ in order)}", flush=True)
             t0 = time.monotonic()
-            for _, step in order:
-                step()
+            for size in slices:
+                self.sizes = [size]
+                self.latency_sizes = [size] if size in latency_sizes else []
+                for _, step in order:
+                    step()
             self.round_seconds.append(time.monotonic() - t0)
+        self.sizes, self.latency_sizes = sizes, latency_sizes
 
 
 # ---- ratios and tables -------------------------------------------------------------------
