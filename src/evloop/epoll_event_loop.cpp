@@ -145,7 +145,7 @@ class EpollEventLoop::Impl : public std::enable_shared_from_this<Impl> {
       if (spin && hooks.transport_polled && round_start < next_fd_poll) {
         // A hook polled its transport this round; the descriptors wait for their turn
         // (Options::busy_poll_fd_interval): one system call per round fewer.
-        if (!hooks.may_sleep) poll_until = Clock::now() + m_busy_poll;
+        if (!hooks.may_sleep) poll_until = round_start + m_busy_poll;
         continue;
       }
       const int n = ::epoll_wait(m_epfd, events.data(), static_cast<int>(events.size()),

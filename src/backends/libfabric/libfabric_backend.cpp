@@ -737,13 +737,23 @@ class Backend : public std::enable_shared_from_this<Backend> {
     drain_all();
   }
 
-  void drain_all() {
-    std::vector<Domain*> domains;
-    {
-      const std::lock_guard lock{m_domains_mutex};
-      for (const auto& d : m_domains) domains.push_back(d.get());
+  // The loop thread's view of m_domains, refreshed when a domain was added (domains are
+  // only added until shutdown), so that polling rounds do not allocate. Walk it by index: a
+  // callback inside a drain may open a connection and add a domain.
+  const std::vector<Domain*>& loop_domains() {
+    assert_loop_thread();
+    const std::lock_guard lock{m_domains_mutex};
+    if (m_loop_domains.size() != m_domains.size()) {
+      m_loop_domains.clear();
+      for (const auto& d : m_domains) m_loop_domains.push_back(d.get());
     }
-    for (Domain* d : domains) {
+    return m_loop_domains;
+  }
+
+  void drain_all() {
+    const auto& domains = loop_domains();
+    for (std::size_t i = 0; i < domains.size(); ++i) {
+      Domain* d = domains[i];
       if (m_shut_down) return;
       drain_eq(*d);
       if (m_shut_down) return;
@@ -756,16 +766,13 @@ class Backend : public std::enable_shared_from_this<Backend> {
   bool may_sleep() {
     assert_loop_thread();
     if (m_shut_down) return true;
-    std::vector<Domain*> domains;
-    {
-      const std::lock_guard lock{m_domains_mutex};
-      for (const auto& d : m_domains) domains.push_back(d.get());
-    }
+    const auto& domains = loop_domains();
     bool sleep = true;
     if (m_loop->polling()) {
       // Busy-polling: the loop will not sleep this round; read the queues (which also
       // drives the provider's progress) instead of arming them.
-      for (Domain* d : domains) {
+      for (std::size_t i = 0; i < domains.size(); ++i) {
+        Domain* d = domains[i];
         if (drain_eq(*d) > 0) sleep = false;
         if (m_shut_down) return true;
         if (drain_cq(*d) > 0) sleep = false;
@@ -773,7 +780,8 @@ class Backend : public std::enable_shared_from_this<Backend> {
       }
       return sleep;
     }
-    for (Domain* d : domains) {
+    for (std::size_t i = 0; i < domains.size(); ++i) {
+      Domain* d = domains[i];
       std::array<fid*, 2> fids{&d->eq()->fid, &d->cq()->fid};
       if (fi_trywait(d->fabric(), fids.data(), static_cast<int>(fids.size())) != FI_SUCCESS) {
         sleep = false;
@@ -1186,6 +1194,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
   std::mutex m_domains_mutex;  // m_domains, m_domain_fds, m_global_recv
   std::vector<std::unique_ptr<Domain>> m_domains;
   std::vector<DomainFds> m_domain_fds;
+  std::vector<Domain*> m_loop_domains;  // loop thread (and m_domains_mutex): loop_domains()
   std::unordered_map<const Domain*, std::shared_ptr<RecvBuffers>> m_global_recv;
 
   detail::OptionalMutex m_ids_mutex;

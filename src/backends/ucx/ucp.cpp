@@ -31,7 +31,16 @@ namespace {
 // Whether a UCX_TLS value may select the tcp transport ("" and "all" select every one, a
 // leading '^' excludes the ones listed).
 bool may_use_tcp(std::string_view tls) {
-  return tls.empty() || tls.starts_with('^') || tls.find("all") != std::string_view::npos ||
+  if (tls.starts_with('^')) {
+    // All but the listed ones: tcp unless it is listed.
+    for (std::string_view rest = tls.substr(1); !rest.empty();) {
+      const auto comma = rest.find(',');
+      if (rest.substr(0, comma) == "tcp") return false;
+      rest = comma == std::string_view::npos ? std::string_view{} : rest.substr(comma + 1);
+    }
+    return true;
+  }
+  return tls.empty() || tls.find("all") != std::string_view::npos ||
          tls.find("tcp") != std::string_view::npos;
 }
 
