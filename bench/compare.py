@@ -990,8 +990,8 @@ def main(argv):
     rounds = args.repeat
     summaries = summarize(records)
     per_round = ", ".join(f"{s / 60:.1f}" for s in runner.round_seconds)
-    how = (f"{rounds} rounds (order reversed every other round), medians over the rounds"
-           if rounds > 1 else "1 round")
+    how = (f"{rounds} rounds (size by size, order reversed every other round), "
+           "medians over the rounds" if rounds > 1 else "1 round")
     header = (f"bench/compare {started:%Y-%m-%d %H:%M}, {args.duration:g} s per run, {how}, "
               f"loopback {HOST}, two processes per run; took {took / 60:.1f} min "
               f"(rounds: {per_round} min)\n{machine_line()}")
