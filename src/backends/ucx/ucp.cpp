@@ -2,12 +2,17 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <mutex>
+#include <string>
 #include <string_view>
+#include <sys/resource.h>
+#include <ucs/config/global_opts.h>
 #include <utility>
 
 #include <fmt/format.h>
 
 #include "common/byte_order.hpp"
+#include "common/log.hpp"
 
 namespace netio3::ucx {
 
@@ -44,6 +49,35 @@ bool may_use_tcp(std::string_view tls) {
          tls.find("tcp") != std::string_view::npos;
 }
 
+// UCX 1.13 allows UCX_ASYNC_MAX_EVENTS (default 1024) handlers on its async thread in one
+// process: one per listener and one per connection-manager endpoint (each a descriptor). At
+// the limit it does not refuse an incoming connection cleanly: it asserts
+// (tcp_sockcm_ep.c:189) or crashes in its async thread. Unless UCX_ASYNC_MAX_EVENTS is set,
+// the limit is raised to the process's descriptor limit (at most ASYNC_EVENTS_CAP), so that
+// descriptors run out first. Only ever raised; it also sizes each new worker's queue of
+// missed async events (a few bytes an entry: at most 256 KiB at the cap).
+constexpr rlim_t ASYNC_EVENTS_CAP = rlim_t{1} << 16;
+
+void raise_async_handler_limit() {
+  static std::mutex mutex;
+  const std::lock_guard lock{mutex};
+  if (const char* env = std::getenv("UCX_ASYNC_MAX_EVENTS"); env != nullptr && *env != '\0') {
+    return;
+  }
+  rlimit limit{};
+  if (::getrlimit(RLIMIT_NOFILE, &limit) != 0) return;
+  const rlim_t want = std::min(limit.rlim_cur, ASYNC_EVENTS_CAP);  // RLIM_INFINITY is larger
+  if (want <= ucs_global_opts.async_max_events) return;
+  const std::string value = std::to_string(want);
+  const ucs_status_t status = ucs_global_opts_set_value("ASYNC_MAX_EVENTS", value.c_str());
+  if (status != UCS_OK) {
+    NETIO3_WARN("ucx: cannot raise UCX's async handler limit from {} to {}: {}",
+                ucs_global_opts.async_max_events, value, status_text(status));
+    return;
+  }
+  NETIO3_DEBUG("ucx: UCX's async handler limit raised to {} (RLIMIT_NOFILE)", value);
+}
+
 struct ConfigDeleter {
   void operator()(ucp_config_t* config) const noexcept { ucp_config_release(config); }
 };
@@ -51,6 +85,7 @@ struct ConfigDeleter {
 }  // namespace
 
 Worker::Worker(const TransportChoice& transports, ThreadSafetyModel model) {
+  raise_async_handler_limit();
   ucp_config_t* raw = nullptr;
   check("ucp_config_read", ucp_config_read(nullptr, nullptr, &raw));
   const std::unique_ptr<ucp_config_t, ConfigDeleter> config{raw};
