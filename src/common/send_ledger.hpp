@@ -11,12 +11,12 @@
 
 #include <cassert>
 #include <cstdint>
-#include <deque>
 #include <vector>
 
 #include <netio3/network_buffer.hpp>
 
 #include "common/buffer_pool.hpp"
+#include "common/lazy_deque.hpp"
 
 namespace netio3::detail {
 
@@ -83,7 +83,7 @@ class SendLedger {
     PendingSend send;
     bool done;
   };
-  std::deque<Entry> m_entries;
+  LazyDeque<Entry> m_entries;
   Ticket m_base{0};  // ticket of m_entries.front()
   std::size_t m_outstanding{0};
   bool m_closed{false};

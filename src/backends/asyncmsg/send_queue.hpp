@@ -18,13 +18,13 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <deque>
 #include <memory>
 #include <mutex>
 #include <span>
 #include <sys/uio.h>
 #include <vector>
 
+#include "common/lazy_deque.hpp"
 #include "common/send_ledger.hpp"
 
 namespace netio3::asyncmsg {
@@ -102,9 +102,9 @@ class SendQueue {
   void release(Chunk& chunk) noexcept;
 
   std::shared_ptr<ChunkCache> m_cache;
-  std::deque<Segment> m_segments;
-  std::deque<Mark> m_marks;
-  std::deque<Chunk> m_chunks;
+  detail::LazyDeque<Segment> m_segments;
+  detail::LazyDeque<Mark> m_marks;
+  detail::LazyDeque<Chunk> m_chunks;
   std::uint64_t m_appended{0};
   std::uint64_t m_written{0};
   // True while the last segment ends at the tail of the current staging chunk.
