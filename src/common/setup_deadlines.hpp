@@ -1,9 +1,10 @@
 #pragma once
 
 // Connections that must be established before a deadline (NetworkConfig::limits.
-// connect_timeout). A periodic timer runs only while some connection is being set up;
-// on the loop thread it logs each one that is still pending past its deadline and hands it
-// to `on_expired` with the reason. track() may be called from any thread.
+// connect_timeout), or must reach some other state in time (`what` and `pending` say which). A
+// periodic timer runs only while some connection is being set up; on the loop thread it logs each
+// one that is still pending past its deadline and hands it to `on_expired` with the reason. track()
+// may be called from any thread.
 
 #include <chrono>
 #include <functional>
@@ -31,11 +32,15 @@ class SetupDeadlines {
 
   static constexpr std::chrono::milliseconds PERIOD{100};
 
-  // `backend` names the backend in the log.
+  // `backend` names the backend in the log. `what` names the deadline in the reason ("<what>
+  // timed out after N ms"), which is logged as a warning unless `log_expiry` is false.
   SetupDeadlines(BaseEventLoop& loop, std::string_view backend, std::chrono::milliseconds timeout,
-                 Pending pending, Expired on_expired)
+                 Pending pending, Expired on_expired, std::string_view what = "connection set-up",
+                 bool log_expiry = true)
       : m_state{std::make_shared<State>()} {
     m_state->backend = backend;
+    m_state->what = what;
+    m_state->log_expiry = log_expiry;
     m_state->timeout = timeout;
     m_state->pending = std::move(pending);
     m_state->on_expired = std::move(on_expired);
@@ -82,9 +87,9 @@ class SetupDeadlines {
         }
       }
       if (expired.empty()) return;
-      const auto reason = fmt::format("connection set-up timed out after {} ms", timeout.count());
+      const auto reason = fmt::format("{} timed out after {} ms", what, timeout.count());
       for (const auto& conn : expired) {
-        NETIO3_WARN("{}: connection with {}: {}", backend, conn->remote, reason);
+        if (log_expiry) NETIO3_WARN("{}: connection with {}: {}", backend, conn->remote, reason);
         on_expired(conn, reason);
       }
     }
@@ -93,6 +98,8 @@ class SetupDeadlines {
     std::vector<std::pair<std::weak_ptr<Conn>, Clock::time_point>> entries;
     bool armed{false};
     std::string_view backend;
+    std::string_view what;
+    bool log_expiry{true};
     std::chrono::milliseconds timeout{};
     Pending pending;
     Expired on_expired;

@@ -84,7 +84,8 @@ struct ConfigDeleter {
 
 }  // namespace
 
-Worker::Worker(const TransportChoice& transports, ThreadSafetyModel model) {
+Worker::Worker(const TransportChoice& transports, ThreadSafetyModel model,
+               const std::string& devices) {
   raise_async_handler_limit();
   ucp_config_t* raw = nullptr;
   check("ucp_config_read", ucp_config_read(nullptr, nullptr, &raw));
@@ -93,6 +94,11 @@ Worker::Worker(const TransportChoice& transports, ThreadSafetyModel model) {
   // own is written over it.
   if (!transports.from_environment && !transports.tls.empty()) {
     check("ucp_config_modify(TLS)", ucp_config_modify(config.get(), "TLS", transports.tls.c_str()));
+  }
+  if (const char* env = std::getenv("UCX_NET_DEVICES");
+      (env == nullptr || *env == '\0') && !devices.empty()) {
+    check("ucp_config_modify(NET_DEVICES)",
+          ucp_config_modify(config.get(), "NET_DEVICES", devices.c_str()));
   }
   // UCX 1.13's tcp transport aborts (tcp_ep.c:939, PUT_TX_WAITING_ACK) when a PUT
   // acknowledgement arrives after its endpoint's sends were cancelled, as happens when a
@@ -124,6 +130,12 @@ Worker::Worker(const TransportChoice& transports, ThreadSafetyModel model) {
           "ThreadSafetyModel::SAFE needs");
     }
     check("ucp_worker_get_efd", ucp_worker_get_efd(m_worker, &m_efd));
+    ucp_address_t* address = nullptr;
+    std::size_t length = 0;
+    check("ucp_worker_get_address", ucp_worker_get_address(m_worker, &address, &length));
+    const auto* bytes = reinterpret_cast<const std::uint8_t*>(address);  // NOLINT
+    m_address.assign(bytes, bytes + length);
+    ucp_worker_release_address(m_worker, address);
   } catch (...) {
     if (m_worker != nullptr) ucp_worker_destroy(m_worker);
     ucp_cleanup(m_context);
@@ -172,6 +184,7 @@ std::array<std::uint8_t, AM_HEADER_SIZE> encode_header(const AmHeader& header) {
   out[1] = PROTOCOL_VERSION;
   out[2] = header.prefix_len;
   detail::store_le64(out.data() + 8, header.seq);
+  detail::store_le64(out.data() + 16, header.token);
   return out;
 }
 
@@ -197,29 +210,89 @@ std::optional<AmHeader> decode_header(std::span<const std::uint8_t> bytes, std::
   }
   const auto type = static_cast<MessageType>(bytes[0]);
   switch (type) {
-    case MessageType::HELLO:
-    case MessageType::HELLO_ACK:
     case MessageType::BYE:
+    case MessageType::READY:
       if (prefix != 0) {
-        error = fmt::format("a prefix of {} bytes on a control message", prefix);
+        error = fmt::format("a prefix of {} bytes on a {} message", prefix,
+                            type == MessageType::BYE ? "BYE" : "READY");
         return std::nullopt;
       }
       [[fallthrough]];
     case MessageType::DATA:
-      return AmHeader{type, detail::load_le64(bytes.data() + 8), prefix};
+      return AmHeader{type, detail::load_le64(bytes.data() + 8), prefix,
+                      detail::load_le64(bytes.data() + 16)};
   }
   error = fmt::format("unknown message type {}", bytes[0]);
   return std::nullopt;
 }
 
-std::array<std::uint8_t, HELLO_SIZE> encode_hello(std::uint64_t max_message_size) {
-  std::array<std::uint8_t, HELLO_SIZE> out{};
-  detail::store_le64(out.data(), max_message_size);
+std::vector<std::uint8_t> encode_opening(const Hello& hello) {
+  const detail::Greeting greeting{
+      .major = CONTROL_PROTOCOL.major,
+      .minor = CONTROL_PROTOCOL.minor,
+      .max_message_size = static_cast<std::uint32_t>(
+          std::clamp<std::uint64_t>(hello.max_message_size, 1, detail::WIRE_MAX_MESSAGE_SIZE)),
+      .flags = 0};
+  const std::size_t body = HELLO_FIXED_SIZE + hello.worker_address.size();
+  std::vector<std::uint8_t> out(detail::GREETING_SIZE + detail::FRAME_HEADER_SIZE + body, 0);
+  const auto g = detail::encode_greeting(greeting);
+  std::copy(g.begin(), g.end(), out.begin());
+  std::uint8_t* frame = out.data() + detail::GREETING_SIZE;
+  detail::encode_frame_header(frame, static_cast<std::uint32_t>(body), FRAME_HELLO);
+  std::uint8_t* p = frame + detail::FRAME_HEADER_SIZE;
+  p[0] = BACKEND_UCX;
+  p[1] = hello.mode;
+  detail::store_le64(p + 8, hello.max_message_size);
+  detail::store_le64(p + 16, hello.token);
+  std::copy(hello.worker_address.begin(), hello.worker_address.end(), p + HELLO_FIXED_SIZE);
   return out;
 }
 
-std::optional<std::uint64_t> decode_hello(std::span<const std::uint8_t> bytes) {
-  if (bytes.size() != HELLO_SIZE) return std::nullopt;
+std::optional<Hello> decode_hello(std::span<const std::uint8_t> bytes, std::string& error) {
+  if (bytes.size() <= HELLO_FIXED_SIZE) {
+    error = fmt::format("HELLO of {} bytes (at least {} and a worker address)", bytes.size(),
+                        HELLO_FIXED_SIZE);
+    return std::nullopt;
+  }
+  if (bytes[0] != BACKEND_UCX) {
+    error = fmt::format("HELLO names backend type {} (this is a ucx backend, type {})", bytes[0],
+                        BACKEND_UCX);
+    return std::nullopt;
+  }
+  if (bytes[1] > 1 ||
+      std::any_of(bytes.begin() + 2, bytes.begin() + 8, [](std::uint8_t b) { return b != 0; })) {
+    error = "HELLO with an unknown network mode or non-zero reserved bytes";
+    return std::nullopt;
+  }
+  Hello hello{.mode = bytes[1],
+              .max_message_size = detail::load_le64(bytes.data() + 8),
+              .token = detail::load_le64(bytes.data() + 16),
+              .worker_address = bytes.subspan(HELLO_FIXED_SIZE)};
+  if (hello.max_message_size == 0) {
+    error = "HELLO announces a maximum message size of 0";
+    return std::nullopt;
+  }
+  if (hello.token == 0) {
+    error = "HELLO with connection token 0";
+    return std::nullopt;
+  }
+  if (hello.worker_address.size() > MAX_WORKER_ADDRESS) {
+    error = fmt::format("HELLO with a worker address of {} bytes (at most {})",
+                        hello.worker_address.size(), MAX_WORKER_ADDRESS);
+    return std::nullopt;
+  }
+  return hello;
+}
+
+std::array<std::uint8_t, detail::FRAME_HEADER_SIZE + CLOSE_SIZE> encode_close(std::uint64_t sent) {
+  std::array<std::uint8_t, detail::FRAME_HEADER_SIZE + CLOSE_SIZE> out{};
+  detail::encode_frame_header(out.data(), CLOSE_SIZE, FRAME_CLOSE);
+  detail::store_le64(out.data() + detail::FRAME_HEADER_SIZE, sent);
+  return out;
+}
+
+std::optional<std::uint64_t> decode_close(std::span<const std::uint8_t> bytes) {
+  if (bytes.size() != CLOSE_SIZE) return std::nullopt;
   return detail::load_le64(bytes.data());
 }
 

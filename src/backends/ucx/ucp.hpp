@@ -1,8 +1,8 @@
 #pragma once
 
 // UCP plumbing for the UCX backend: errors with UCX's status text, the transport choice,
-// RAII for the context + worker pair, listeners and memory mappings, and the small
-// protocol netio3 speaks in active messages (docs/ucx.md).
+// RAII for the context + worker pair and memory mappings, and netio3's UCX protocol: the
+// control channel's frames and the active-message header (docs/ucx.md).
 
 #include <array>
 #include <cstddef>
@@ -13,8 +13,11 @@
 #include <string>
 #include <string_view>
 #include <ucp/api/ucp.h>
+#include <vector>
 
 #include <netio3/types.hpp>
+
+#include "common/wire.hpp"
 
 namespace netio3::ucx {
 
@@ -42,10 +45,12 @@ struct TransportChoice {
 
 // One UCP context with one worker (active messages + wake-up through an event fd).
 // Thread mode MULTI for ThreadSafetyModel::SAFE (any thread may post sends), SINGLE
-// otherwise. Throws UcxError.
+// otherwise. `devices`, if not empty, becomes UCX_NET_DEVICES (the network devices UCX may
+// use, and on which its tcp transport listens); UCX_NET_DEVICES in the environment wins.
+// Throws UcxError.
 class Worker {
  public:
-  Worker(const TransportChoice& transports, ThreadSafetyModel model);
+  Worker(const TransportChoice& transports, ThreadSafetyModel model, const std::string& devices);
   Worker(const Worker&) = delete;
   Worker& operator=(const Worker&) = delete;
   Worker(Worker&&) = delete;
@@ -55,11 +60,14 @@ class Worker {
   [[nodiscard]] ucp_context_h context() const noexcept { return m_context; }
   [[nodiscard]] ucp_worker_h get() const noexcept { return m_worker; }
   [[nodiscard]] int event_fd() const noexcept { return m_efd; }
+  // The worker's address (what a peer's ucp_ep_create needs), packed by UCX.
+  [[nodiscard]] std::span<const std::uint8_t> address() const noexcept { return m_address; }
 
  private:
   ucp_context_h m_context{nullptr};
   ucp_worker_h m_worker{nullptr};
   int m_efd{-1};
+  std::vector<std::uint8_t> m_address;
 };
 
 // A memory region mapped for UCX (ucp_mem_map), unmapped on destruction.
@@ -80,40 +88,74 @@ class MemoryMap {
   ucp_mem_h m_memh{nullptr};
 };
 
-// ---- the active-message protocol ------------------------------------------------------
+// ---- the protocol (docs/ucx.md) ---------------------------------------------------------
 //
-// Every message of a connection is one active message with id AM_ID. Its UCX header is 16
-// bytes, little endian: 0 type, 1 version (2), 2 prefix length P (0..16, DATA only), 3..7
-// zero, 8..15 sequence number (per direction, from 0); then P bytes: the start of the
-// message. HELLO (client -> server, seq 0) and HELLO_ACK (server -> client, seq 0) carry 8
-// bytes of payload: the largest message the sender accepts. DATA carries the application's
-// message: send_data's header_data travels as the prefix, so that the payload leaves as one
-// contiguous block (eligible for zero-copy and rendezvous); the receiver delivers prefix +
-// payload as one message. BYE (empty) ends the stream: the peer closes once everything
-// before it was delivered.
+// Protocol version 3. A connection is a TCP connection of netio3's own (the control channel)
+// plus one UCP endpoint each way, made from the worker addresses the two sides exchange on
+// the control channel; the data travels as active messages.
+//
+// Control channel: netio3's greeting and frames (common/wire.hpp) with major version
+// UCX_CONTROL_MAJOR and two frame types:
+//   HELLO (first frame of each side): 0 backend type (3 = ucx), 1 network mode (0 tcp,
+//         1 rdma), 2..7 zero, 8..15 largest message the sender accepts, 16..23 the sender's
+//         connection token, 24.. the sender's UCP worker address (1..MAX_WORKER_ADDRESS
+//         bytes);
+//   CLOSE: 0..7 the number of active messages the sender sent on this connection (its BYE
+//         included): the peer closes once it has delivered them.
+// Every active message has id AM_ID and a 24-byte UCX header: 0 type, 1 version (3), 2 prefix
+// length P (0..16, DATA only), 3..7 zero, 8..15 sequence number (per direction, from 0),
+// 16..23 the receiver's connection token; then P bytes, the start of the message. READY
+// (empty, message 0) is the first message each side sends once it has made its endpoint: a
+// side reports the connection established when the peer's READY has arrived over UCX. DATA
+// carries the application's message (send_data's header_data travels as the prefix, so the
+// payload leaves as one contiguous block); BYE (empty) ends the stream.
 
 inline constexpr unsigned AM_ID = 7;
-inline constexpr std::uint8_t PROTOCOL_VERSION = 2;
-inline constexpr std::size_t AM_HEADER_SIZE = 16;
+inline constexpr std::uint8_t PROTOCOL_VERSION = 3;
+inline constexpr std::size_t AM_HEADER_SIZE = 24;
 inline constexpr std::size_t AM_PREFIX_MAX = 16;
 inline constexpr std::size_t AM_HEADER_MAX = AM_HEADER_SIZE + AM_PREFIX_MAX;
-inline constexpr std::size_t HELLO_SIZE = 8;
 
-enum class MessageType : std::uint8_t { HELLO = 1, HELLO_ACK = 2, DATA = 3, BYE = 4 };
+enum class MessageType : std::uint8_t { DATA = 3, BYE = 4, READY = 5 };
 
 struct AmHeader {
   MessageType type{};
   std::uint64_t seq{};
   std::uint8_t prefix_len{};
+  std::uint64_t token{};
 };
 // The fixed part; the prefix_len bytes of the prefix follow it in the UCX header.
 [[nodiscard]] std::array<std::uint8_t, AM_HEADER_SIZE> encode_header(const AmHeader& header);
 // The whole UCX header (fixed part and prefix); nullopt (and `error` set) for one that is not
-// netio3's protocol version 2.
+// netio3's protocol version 3.
 [[nodiscard]] std::optional<AmHeader> decode_header(std::span<const std::uint8_t> bytes,
                                                     std::string& error);
 
-[[nodiscard]] std::array<std::uint8_t, HELLO_SIZE> encode_hello(std::uint64_t max_message_size);
-[[nodiscard]] std::optional<std::uint64_t> decode_hello(std::span<const std::uint8_t> bytes);
+inline constexpr std::uint8_t FRAME_HELLO = 2;
+inline constexpr std::uint8_t FRAME_CLOSE = 3;
+inline constexpr std::uint8_t BACKEND_UCX = 3;
+inline constexpr std::size_t HELLO_FIXED_SIZE = 24;
+inline constexpr std::size_t CLOSE_SIZE = 8;
+// A worker address longer than this is refused before anything is allocated for it (UCX's
+// are a few hundred bytes; one with many devices a few KiB).
+inline constexpr std::size_t MAX_WORKER_ADDRESS = std::size_t{64} << 10U;
+inline constexpr std::size_t MAX_CONTROL_FRAME = HELLO_FIXED_SIZE + MAX_WORKER_ADDRESS;
+inline constexpr detail::FrameProtocol CONTROL_PROTOCOL{"ucx", detail::UCX_CONTROL_MAJOR, 0,
+                                                        (1U << FRAME_HELLO) | (1U << FRAME_CLOSE)};
+
+struct Hello {
+  std::uint8_t mode{};  // 0 tcp, 1 rdma
+  std::uint64_t max_message_size{};
+  std::uint64_t token{};
+  std::span<const std::uint8_t> worker_address;
+};
+// Greeting, then the HELLO frame: what each side sends first on the control channel.
+[[nodiscard]] std::vector<std::uint8_t> encode_opening(const Hello& hello);
+// A HELLO frame's message; nullopt (and `error` set) for one that is malformed.
+[[nodiscard]] std::optional<Hello> decode_hello(std::span<const std::uint8_t> bytes,
+                                                std::string& error);
+[[nodiscard]] std::array<std::uint8_t, detail::FRAME_HEADER_SIZE + CLOSE_SIZE> encode_close(
+    std::uint64_t sent);
+[[nodiscard]] std::optional<std::uint64_t> decode_close(std::span<const std::uint8_t> bytes);
 
 }  // namespace netio3::ucx

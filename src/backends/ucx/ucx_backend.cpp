@@ -3,36 +3,56 @@
 // the worker is progressed until it has nothing left, then armed (ucp_worker_arm; BUSY
 // means: progress again). No thread of our own, no polling.
 //
-// UCX calls back only from inside ucp_worker_progress, and those callbacks only record:
-// an arriving message goes into its connection's inbox, everything else into an event
-// queue. The application's callbacks run afterwards, outside UCX, so they may send, close
-// or destroy the backend.
+// Connections (protocol version 3, docs/ucx.md). netio3 sets up its connections itself; UCX's
+// listener and connection manager are not used (one malformed packet made them abort the
+// process). A listen endpoint is netio3's own TCP socket on the loop. The client connects to
+// it and both sides send a greeting and a HELLO on this TCP connection - the control channel -
+// with their limits, a connection token and their UCP worker's address, all checked before
+// anything is allocated for them. Each side then makes a UCP endpoint from the other's worker
+// address, so UCX chooses its lanes (shared memory between processes of one host, RDMA where
+// there is some, tcp otherwise), and reports the connection established. The control channel
+// stays open: a close announces on it how many messages were sent, and its end (EOF, reset)
+// tells at once that the peer's process died.
 //
-// Messages: every message of a connection is one active message with a 16-byte UCX header
-// (type, version, sequence number; ucp.hpp). The receiver delivers strictly by sequence
-// number, so a small eager message that overtakes an earlier rendezvous one waits in the
-// inbox. Eager data is kept by UCX (persistent data) and handed to on_data_cb from UCX's
-// buffer; rendezvous data is first received into a receive-pool buffer (or, when none fits,
-// a heap buffer bounded by limits.max_message_size).
+// Endpoints. UCX pairs the endpoints of two workers by the order in which each side created
+// them, not by netio3's connection. All connections between two workers therefore share one
+// UCP endpoint on each side (the first each side makes: they pair), and every active message
+// carries the receiver's connection token, by which it is routed. The shared endpoint stays
+// until it fails or the backend goes: closing it would fail its pair on the peer, which may
+// be in use. A connection's close waits for its own sends; if the peer takes nothing at all
+// for limits.close_timeout, the endpoint is closed by force, which ends every connection with
+// that peer (it is not reading).
 //
-// Connections: the client sends HELLO (its message size limit) on a new endpoint, the server
-// answers HELLO_ACK; each side reports the connection established when it has the other's
-// message. A local close sends BYE, flushes the endpoint for at most limits.close_timeout
-// and closes it; the peer closes when BYE is delivered. After an error the endpoint is
-// closed with UCP_EP_CLOSE_FLAG_FORCE. An endpoint is closed only when no rendezvous
-// receive is in flight on it, and the connection is reported closed only when UCX holds no
-// request of it any more, so cancelled keys never refer to memory UCX still reads.
+// UCX calls back only from inside ucp_worker_progress, and those callbacks only record: an
+// arriving message goes into its connection's inbox, everything else into an event queue. The
+// application's callbacks run afterwards, outside UCX, so they may send, close or destroy the
+// backend.
+//
+// Messages: the receiver delivers strictly by sequence number, so a small eager message that
+// overtakes an earlier rendezvous one waits in the inbox. Eager data is kept by UCX
+// (persistent data) and handed to on_data_cb from UCX's buffer; rendezvous data is first
+// received into a receive-pool buffer (or, when none fits, a heap buffer bounded by
+// limits.max_message_size).
+//
+// Closing: a local close sends BYE (the last active message) and CLOSE on the control channel,
+// waits at most limits.close_timeout for its sends to complete (forcing the endpoint closed
+// after that), and reports; the peer closes once it has delivered everything before the BYE.
 
 #include "backends/ucx/ucx_backend.hpp"
 
 #include <algorithm>
 #include <array>
 #include <cassert>
+#include <cerrno>
 #include <cstring>
 #include <deque>
+#include <dirent.h>
+#include <mutex>
 #include <optional>
 #include <poll.h>
+#include <random>
 #include <sys/epoll.h>
+#include <sys/socket.h>
 #include <tuple>
 #include <unordered_map>
 #include <vector>
@@ -40,7 +60,6 @@
 #include "backends/ucx/ucp.hpp"
 #include "common/backend_facade.hpp"
 #include "common/buffer_pool.hpp"
-#include "common/closed_listeners.hpp"
 #include "common/connection.hpp"
 #include "common/endpoint_registry.hpp"
 #include "common/endpoint_rules.hpp"
@@ -49,13 +68,16 @@
 #include "common/send_ledger.hpp"
 #include "common/setup_deadlines.hpp"
 #include "common/sockaddr.hpp"
+#include "common/tcp.hpp"
 #include "common/thread_model.hpp"
 
 namespace netio3::ucx {
 namespace {
 
+using namespace std::chrono_literals;
+
 constexpr std::string_view NAME = "ucx";
-// Data sends in flight per connection at most (UCX requests); two more for control messages.
+// Data sends in flight per connection at most (UCX requests); two more for READY and BYE.
 constexpr std::size_t MAX_SEND_DEPTH = 1024;
 constexpr std::size_t CONTROL_OPS = 2;
 constexpr std::size_t MAX_IOV = 16;
@@ -70,8 +92,18 @@ constexpr std::size_t STAGING_BUDGET = std::size_t{8} << 20U;
 // Staging memory from this size on is mapped (ucp_mem_map) when allocated, so that UCX can
 // send it zero-copy or by rendezvous instead of copying it once more into its own buffers.
 constexpr std::size_t STAGING_MAP_MIN = std::size_t{16} << 10U;
+// Control channel: accepts and reads per readiness event.
+constexpr int ACCEPTS_PER_EVENT = 64;
+constexpr int READS_PER_EVENT = 8;
+// A server greets as soon as it accepts. A client that gets no greeting this long after its
+// TCP connection is up gives up (at most limits.connect_timeout): the server is not a UCX
+// backend of protocol 3 - an older netio3 UCX backend listens with UCX's connection manager,
+// which waits for more bytes and never answers.
+constexpr auto SERVER_GREETING_TIMEOUT = 2s;
+// After a close the control socket waits this long for the peer's end (LingeringSockets).
+constexpr auto LINGER_TIMEOUT = 2s;
 
-enum class State { CONNECTING, ACCEPTING, OPEN, CLOSING, CLOSED };
+enum class State { CONNECTING, GREETING, OPEN, CLOSING, CLOSED };
 enum class CloseKind { LOCAL, PEER, ERROR };
 
 class Backend;
@@ -97,7 +129,6 @@ struct SendOp {
   NetworkBuffer* buffer{nullptr};                       // buffered sends
   std::array<std::uint8_t, AM_HEADER_MAX> am_header{};  // fixed part + prefix
   std::size_t am_header_len{0};
-  std::array<std::uint8_t, HELLO_SIZE> hello{};
   std::array<ucp_dt_iov_t, MAX_IOV + 1> iov{};
   std::unique_ptr<std::uint8_t[]> staging;  // copy sends (not zero-filled)
   std::size_t staging_capacity{0};
@@ -120,46 +151,70 @@ struct Incoming {
   Connection* conn{nullptr};             // RECEIVING: for the completion
 };
 
-struct Listener : std::enable_shared_from_this<Listener> {
+// The UCP endpoint to a peer worker (see "Endpoints" above). Loop thread only; its address is
+// the error handler's argument, so it lives until UCX has closed the endpoint.
+struct Endpoint {
+  Endpoint(std::uint64_t id_, std::string peer_) : id{id_}, peer{std::move(peer_)} {}
+  const std::uint64_t id;
+  const std::string peer;  // the peer worker's address
+  Backend* backend{nullptr};
+  ucp_ep_h handle{nullptr};
+  std::vector<std::weak_ptr<Connection>> users;         // the connections sending on it
+  std::chrono::steady_clock::time_point last_progress;  // a send on it completed
+  bool failed{false};
+  bool closing{false};
+};
+
+struct Listener {
   Listener(std::uint64_t id_, EndPointAddress address_, const ConnectionParameters& params_)
       : id{id_}, address{std::move(address_)}, params{params_} {}
-  Listener(const Listener&) = delete;
-  Listener& operator=(const Listener&) = delete;
-  Listener(Listener&&) = delete;
-  Listener& operator=(Listener&&) = delete;
-  ~Listener() { destroy(); }
-  void destroy() noexcept {
-    if (handle != nullptr) ucp_listener_destroy(handle);
-    handle = nullptr;
-  }
 
   const std::uint64_t id;
-  Backend* backend{nullptr};
   EndPointAddress address;
   const ConnectionParameters params;
-  std::shared_ptr<RecvPool> shared_recv;  // recv_params.use_shared_receive_buffers
-  ucp_listener_h handle{nullptr};
-  std::atomic<bool> closed{false};
+  std::shared_ptr<RecvPool> shared_recv;       // recv_params.use_shared_receive_buffers
+  std::mutex mutex;                            // accept (loop) vs close (any thread)
+  detail::Socket socket;                       // under `mutex`
+  FdHandle fd;                                 // under `mutex`
+  EventTimerHandle resume;                     // under `mutex`: ends an accept pause
+  bool closed{false};                          // under `mutex`
+  std::optional<detail::AcceptPauses> pauses;  // loop thread only
 };
 
 struct Connection : detail::ConnectionBase, std::enable_shared_from_this<Connection> {
-  Connection(std::uint64_t id_, EndPointAddress remote_, const ConnectionParameters& params_,
-             std::uint64_t listener_id_, bool thread_safe, State initial)
+  Connection(std::uint64_t id_, std::uint64_t token_, EndPointAddress remote_,
+             const ConnectionParameters& params_, std::uint64_t listener_id_, bool thread_safe,
+             State initial)
       : ConnectionBase{std::move(remote_), params_, listener_id_, thread_safe},
         id{id_},
+        token{token_},
         state{initial} {}
 
   const std::uint64_t id;
+  const std::uint64_t token;  // ours: the peer addresses its messages to it
   Backend* backend{nullptr};  // for UCX callbacks, whose argument is the connection
-  ucp_ep_h ep{nullptr};
+
+  // Control channel (loop thread; control_fd is published under `mutex`, because the loop
+  // may dispatch its first event before add_fd returns in another thread).
+  detail::Socket control;
+  FdHandle control_fd;
+  detail::FrameDecoder decoder{MAX_CONTROL_FRAME, CONTROL_PROTOCOL};
+  std::vector<std::uint8_t> control_out;    // the opening, while the socket would block
+  std::optional<std::uint64_t> peer_total;  // the peer's CLOSE: messages it sent in all
+  bool greeted{false};                      // the peer's HELLO arrived (control channel)
+  bool peer_ready{false};                   // the peer's READY arrived (over UCX)
 
   // Under `mutex`; `state` is written on the loop thread only.
   State state;
+  std::shared_ptr<Endpoint> ep;  // from the HELLO until the close releases it
+  bool ep_released{false};
+  bool ep_closing{false};  // the endpoint is being closed by force: no more sends on it
+  std::uint64_t peer_token{0};
   std::uint64_t peer_max{0};
   std::uint64_t unsent_bytes{0};
   std::uint64_t tx_seq{0};
   std::size_t data_ops{0};  // data sends in flight
-  std::size_t requests{0};  // send requests UCX holds (data and control)
+  std::size_t requests{0};  // send requests UCX holds (data and BYE)
   // Sends that completed at once, whose SENT_AT_ONCE event is not handled yet: the close
   // is reported after their completions.
   std::size_t completions_queued{0};
@@ -181,41 +236,20 @@ struct Connection : detail::ConnectionBase, std::enable_shared_from_this<Connect
   std::size_t receiving_bytes{0};
   bool dirty{false};
   bool failed{false};      // a protocol error is being reported: ignore what follows
-  std::string peer_error;  // the endpoint failed; closed once the inbox is delivered
+  std::string peer_error;  // the peer is gone; closed once what arrived is delivered
   // Closing.
   CloseKind close_kind{CloseKind::LOCAL};
   std::string close_reason;
   bool was_open{false};
-  bool force_close{false};
-  bool flushing{false};  // a flush request is out
-  bool flushed{false};
-  bool timed_out{false};  // close_timeout passed
-  // The peer's first message arrived (or the endpoint failed): UCX's connection set-up is
-  // over. An endpoint is not closed before that (see advance_close).
-  bool wired{false};
-  bool ep_close_started{false};
-  bool ep_closed{false};
   bool reported{false};  // the application was told
-  bool closed_at_shutdown{false};
-  EventTimerHandle close_timer;
 };
 
 struct Event {
-  enum class Kind : std::uint8_t {
-    CONN_REQUEST,
-    EP_ERROR,
-    SEND_DONE,
-    SENT_AT_ONCE,
-    FLUSH_DONE,
-    CLOSE_DONE,
-    PROTOCOL_ERROR
-  };
+  enum class Kind : std::uint8_t { EP_ERROR, EP_CLOSED, SEND_DONE, SENT_AT_ONCE, PROTOCOL_ERROR };
   Kind kind{};
-  std::uint64_t conn_id{0};
+  std::uint64_t id{0};  // the connection's, or for EP_* the endpoint's
   std::uint32_t slot{0};
   ucs_status_t status{UCS_OK};
-  std::shared_ptr<Listener> listener{};
-  ucp_conn_request_h request{nullptr};
   std::shared_ptr<Connection> conn{};  // SENT_AT_ONCE
   std::uint64_t key{0};
   NetworkBuffer* buffer{nullptr};
@@ -234,23 +268,16 @@ class Backend : public std::enable_shared_from_this<Backend> {
         m_thread{m_config.thread_safety, *m_loop},
         m_transports{choose_transports(m_config.mode)},
         m_ids_mutex{m_thread.safe()},
+        m_rng{std::random_device{}()},
         m_events_mutex{m_thread.safe()} {
-    try {
-      m_worker = std::make_unique<Worker>(m_transports, m_config.thread_safety);
-      const auto& shared_tx = m_config.shared_send_buffers;
-      if (shared_tx.use_shared_send_buffers) {
-        m_shared_send_pool =
-            std::make_unique<detail::BufferPool>(shared_tx.num_buf, shared_tx.buf_size, 0, safe());
-        m_shared_send_map = MemoryMap{m_worker->context(), m_shared_send_pool->region()};
-      }
-      const auto& rx = m_config.shared_receive_buffers;
-      if (rx.use_shared_receive_buffers) {
-        m_global_recv = std::make_shared<RecvPool>(m_worker->context(), rx.num_buf, rx.buf_size);
-      }
-    } catch (const std::runtime_error& e) {
-      m_shared_send_map = MemoryMap{};
-      m_global_recv.reset();
-      throw InvalidConfiguration(fmt::format("ucx: cannot start: {}", e.what()));
+    // A process that runs out of descriptors cannot accept or connect, and UCX's tcp
+    // transport then closes its listener for good (docs/ucx.md): use what the hard limit
+    // allows.
+    detail::raise_descriptor_limit();
+    const auto& shared_tx = m_config.shared_send_buffers;
+    if (shared_tx.use_shared_send_buffers) {
+      m_shared_send_pool =
+          std::make_unique<detail::BufferPool>(shared_tx.num_buf, shared_tx.buf_size, 0, safe());
     }
     NETIO3_DEBUG("ucx: transports {}{}, thread safety {}",
                  m_transports.tls.empty() ? "chosen by UCX" : m_transports.tls,
@@ -264,39 +291,56 @@ class Backend : public std::enable_shared_from_this<Backend> {
   ~Backend() { shutdown(); }
 
   void start() {
-    ucp_am_handler_param_t handler{};
-    handler.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_FLAGS |
-                         UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG;
-    handler.id = AM_ID;
-    handler.flags = UCP_AM_FLAG_WHOLE_MSG | UCP_AM_FLAG_PERSISTENT_DATA;
-    handler.cb = &Backend::am_callback;
-    handler.arg = this;
-    check("ucp_worker_set_am_recv_handler",
-          ucp_worker_set_am_recv_handler(m_worker->get(), &handler));
     std::weak_ptr<Backend> weak = weak_from_this();
-    m_efd = m_loop->add_fd(m_worker->event_fd(), EPOLLIN, [weak](std::uint32_t) {
-      if (auto self = weak.lock()) self->progress();
-    });
-    m_prepare = m_loop->add_polling_hook([weak] {
-      auto self = weak.lock();
-      return !self || self->may_sleep();
-    });
     m_kick = m_loop->create_signal([weak] {
       if (auto self = weak.lock()) {
         self->m_kick_pending.store(false);
         self->progress();
       }
     });
-    m_closed_listeners.emplace(*m_loop, m_config.limits.connect_timeout,
-                               [](Listener& listener) { listener.destroy(); });
+    const auto close_on_expiry = [weak](const std::shared_ptr<Connection>& conn,
+                                        const std::string& reason) {
+      if (auto self = weak.lock()) self->close_connection(conn, reason, CloseKind::ERROR);
+    };
     m_deadlines.emplace(
         *m_loop, NAME, m_config.limits.connect_timeout,
         [](const Connection& conn) {
-          return conn.state == State::CONNECTING || conn.state == State::ACCEPTING;
+          return conn.state == State::CONNECTING || conn.state == State::GREETING;
         },
+        close_on_expiry);
+    m_greeting_deadlines.emplace(
+        *m_loop, NAME,
+        std::min<std::chrono::milliseconds>(m_config.limits.connect_timeout,
+                                            SERVER_GREETING_TIMEOUT),
+        [](const Connection& conn) { return conn.state == State::GREETING && !conn.greeted; },
         [weak](const std::shared_ptr<Connection>& conn, const std::string& reason) {
-          if (auto self = weak.lock()) self->close_connection(conn, reason, CloseKind::ERROR);
-        });
+          if (auto self = weak.lock()) {
+            const auto why = fmt::format(
+                "{}: the server did not greet (it is not a netio3 ucx backend of protocol {} or "
+                "later; older ones listen with UCX's connection manager)",
+                reason, PROTOCOL_VERSION);
+            NETIO3_WARN("ucx: connection to {}: {}", conn->remote, why);
+            self->close_connection(conn, why, CloseKind::ERROR);
+          }
+        },
+        "waiting for the server's greeting", false);
+    m_close_deadlines.emplace(
+        *m_loop, NAME, m_config.limits.close_timeout,
+        [](const Connection& conn) { return conn.state == State::CLOSING && !conn.ep_released; },
+        [weak](const std::shared_ptr<Connection>& conn, const std::string&) {
+          if (auto self = weak.lock()) self->close_timed_out(conn);
+        },
+        "closing", false);
+    m_peer_close_deadlines.emplace(
+        *m_loop, NAME, m_config.limits.close_timeout,
+        [](const Connection& conn) {
+          return conn.state == State::GREETING || conn.state == State::OPEN;
+        },
+        [weak](const std::shared_ptr<Connection>& conn, const std::string&) {
+          if (auto self = weak.lock()) self->peer_close_timed_out(conn);
+        },
+        "the peer's close", false);
+    m_lingering.emplace(*m_loop, LINGER_TIMEOUT);
   }
 
   void shutdown() noexcept {
@@ -309,8 +353,11 @@ class Backend : public std::enable_shared_from_this<Backend> {
     m_prepare.close();
     m_kick.close();
     m_efd.close();
-    if (m_deadlines) m_deadlines->close();
-    if (m_closed_listeners) m_closed_listeners->release_all();
+    for (auto* deadlines :
+         {&m_deadlines, &m_greeting_deadlines, &m_close_deadlines, &m_peer_close_deadlines}) {
+      if (*deadlines) (*deadlines)->close();
+    }
+    for (auto& listener : all.listeners) close_listener_socket(*listener);
     std::vector<std::shared_ptr<Connection>> conns;
     {
       const std::lock_guard lock{m_ids_mutex};
@@ -318,8 +365,14 @@ class Backend : public std::enable_shared_from_this<Backend> {
         if (auto conn = weak.lock()) conns.push_back(std::move(conn));
       }
     }
-    // From here on, what UCX reports only settles request counts; connection requests
-    // still queued are refused.
+    if (!m_worker) {
+      // Never connected or listened: nothing of UCX's to wind down.
+      for (const auto& conn : conns) drop_control(*conn);
+      if (m_lingering) m_lingering->close_all();
+      NETIO3_DEBUG("ucx: backend shut down");
+      return;
+    }
+    // From here on, what UCX reports only settles request counts.
     const auto settle = [&] {
       std::vector<Event> reported;
       {
@@ -327,27 +380,20 @@ class Backend : public std::enable_shared_from_this<Backend> {
         reported.swap(m_events);
       }
       for (const auto& event : reported) {
-        if (event.kind == Event::Kind::CONN_REQUEST && event.listener->handle != nullptr) {
-          ucp_listener_reject(event.listener->handle, event.request);
-        }
-        if (event.kind != Event::Kind::SEND_DONE && event.kind != Event::Kind::CLOSE_DONE) continue;
-        const auto it = std::find_if(conns.begin(), conns.end(),
-                                     [&](const auto& c) { return c->id == event.conn_id; });
-        if (it == conns.end()) continue;
-        if (event.kind == Event::Kind::CLOSE_DONE) {
-          (*it)->ep_closed = true;
+        if (event.kind == Event::Kind::EP_CLOSED) {
+          m_endpoints.erase(event.id);
           continue;
         }
+        if (event.kind != Event::Kind::SEND_DONE) continue;
+        const auto it = std::find_if(conns.begin(), conns.end(),
+                                     [&](const auto& c) { return c->id == event.id; });
+        if (it == conns.end()) continue;
         const std::lock_guard lock{(*it)->mutex};
         --(*it)->requests;
         release_op(**it, (*it)->ops[event.slot]);
       }
     };
     settle();
-    for (auto& listener : all.listeners) {
-      listener->closed.store(true);
-      listener->destroy();
-    }
     ucp_worker_h worker = m_worker->get();
     const auto deadline = std::chrono::steady_clock::now() + m_config.limits.close_timeout;
     const auto progress_until = [&](const auto& done) {
@@ -357,9 +403,9 @@ class Backend : public std::enable_shared_from_this<Backend> {
         ::poll(&fd, 1, 10);
       }
     };
-    // Open connections get BYE, so that their peers close at once (UCX's own detection
-    // of a vanished peer is not always quick). No send is accepted from here on.
-    std::vector<std::shared_ptr<Connection>> graceful;
+    // Open connections get BYE, so that their peers close at once once they have
+    // delivered what came before it. No send is accepted from here on.
+    std::vector<std::shared_ptr<Connection>> announced;
     for (const auto& conn : conns) {
       State previous{};
       {
@@ -368,41 +414,45 @@ class Backend : public std::enable_shared_from_this<Backend> {
         conn->state = State::CLOSED;
         conn->ledger.cancel_all();
       }
-      conn->close_timer.close();
-      if (previous == State::OPEN && conn->peer_error.empty()) {
-        if (send_control(*conn, MessageType::BYE) == UCS_OK) graceful.push_back(conn);
+      if (previous == State::OPEN && conn->peer_error.empty() &&
+          send_control(*conn, MessageType::BYE) == UCS_OK) {
+        announced.push_back(conn);
       }
     }
     // Rendezvous receives in flight must end before their endpoints close (UCX aborts
-    // otherwise), and BYE must be out before a graceful close; then every endpoint is
-    // closed (gracefully where BYE went out: a forced close can lose it), without callbacks.
+    // otherwise), and BYE must be out before the endpoints close gracefully.
     progress_until([&] {
       return std::all_of(conns.begin(), conns.end(), [](const auto& c) {
         const std::lock_guard lock{c->mutex};
         return c->receiving == 0 && c->requests == 0;
       });
     });
-    std::vector<void*> closing;
+    // The peers learn how many messages to expect, then the end of the control channel.
     for (const auto& conn : conns) {
-      if (conn->ep == nullptr || conn->ep_close_started) continue;
-      conn->ep_close_started = true;
-      conn->closed_at_shutdown = true;
-      const bool polite = std::find(graceful.begin(), graceful.end(), conn) != graceful.end();
+      if (std::find(announced.begin(), announced.end(), conn) != announced.end() &&
+          conn->control.valid()) {
+        (void)detail::send_now(conn->control.get(), encode_close(conn->tx_seq));
+      }
+      drop_control(*conn);
+    }
+    if (m_lingering) m_lingering->close_all();
+    // Every endpoint is closed, gracefully where nothing went wrong (a forced close can lose
+    // what UCX reported sent), without callbacks.
+    std::vector<void*> closing;
+    for (const auto& [id, endpoint] : m_endpoints) {
+      if (endpoint->closing || endpoint->handle == nullptr) continue;
+      endpoint->closing = true;
       ucp_request_param_t param{};
       param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-      param.flags = polite ? 0U : static_cast<unsigned>(UCP_EP_CLOSE_FLAG_FORCE);
-      const ucs_status_ptr_t request = ucp_ep_close_nbx(conn->ep, &param);
+      param.flags = endpoint->failed ? static_cast<unsigned>(UCP_EP_CLOSE_FLAG_FORCE) : 0U;
+      const ucs_status_ptr_t request = ucp_ep_close_nbx(endpoint->handle, &param);
       if (request != nullptr && !UCS_PTR_IS_ERR(request)) closing.push_back(request);
     }
     // Closes that were under way before the shutdown complete through their callbacks.
     progress_until([&] {
-      return std::all_of(closing.begin(), closing.end(),
-                         [](void* request) {
-                           return ucp_request_check_status(request) != UCS_INPROGRESS;
-                         }) &&
-             std::all_of(conns.begin(), conns.end(), [&](const auto& c) {
-               return c->ep_closed || c->closed_at_shutdown || !c->ep_close_started;
-             });
+      return std::all_of(closing.begin(), closing.end(), [](void* request) {
+        return ucp_request_check_status(request) != UCS_INPROGRESS;
+      });
     });
     for (void* request : closing) {
       if (ucp_request_check_status(request) == UCS_INPROGRESS) {
@@ -434,10 +484,12 @@ class Backend : public std::enable_shared_from_this<Backend> {
     }
     m_dirty.clear();
     m_closing.clear();
+    m_peers.clear();
+    m_endpoints.clear();
     {
       const std::lock_guard lock{m_ids_mutex};
       m_conn_ids.clear();
-      m_by_ep.clear();
+      m_by_token.clear();
     }
     // No callback can come after this; connections that outlive us hold no UCX resource.
     m_worker.reset();
@@ -454,36 +506,49 @@ class Backend : public std::enable_shared_from_this<Backend> {
     const auto fail = [&](std::string_view why) {
       return FailedOpenListenEndpoint(fmt::format("ucx: cannot listen on {}: {}", address, why));
     };
-    const auto sockaddr = detail::to_socket_address(address);
-    if (!sockaddr) throw fail("not a numeric IP address");
-    // A closed listener may still hold the port: this listen endpoint replaces it.
-    if (address.port != 0) m_closed_listeners->release_port(address.port);
+    if (!detail::to_socket_address(address)) throw fail("not a numeric IP address");
+    try {
+      ensure_worker(address, true);
+    } catch (const std::runtime_error& e) {
+      throw fail(e.what());
+    }
     const auto held = m_registry.lock();
     if (address.port != 0) m_registry.check_listen_free(held, address);
     auto listener = std::make_shared<Listener>(next_id(), address, params);
-    listener->backend = this;
     try {
       if (params.recv_params.use_shared_receive_buffers) {
         listener->shared_recv = std::make_shared<RecvPool>(
             m_worker->context(), params.recv_params.num_buf, params.recv_params.buf_size);
       }
-      ucp_listener_params_t lp{};
-      lp.field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | UCP_LISTENER_PARAM_FIELD_CONN_HANDLER;
-      lp.sockaddr.addr = sockaddr->get();
-      lp.sockaddr.addrlen = sockaddr->length;
-      lp.conn_handler.cb = &Backend::conn_request_callback;
-      lp.conn_handler.arg = listener.get();
-      check("ucp_listener_create", ucp_listener_create(m_worker->get(), &lp, &listener->handle));
-      ucp_listener_attr_t attr{};
-      attr.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR;
-      check("ucp_listener_query", ucp_listener_query(listener->handle, &attr));
-      const auto bound = detail::to_endpoint_address(&attr.sockaddr, sizeof(attr.sockaddr));
-      if (!bound) throw std::runtime_error("ucp_listener_query returned no IP address");
-      listener->address = EndPointAddress{address.address, bound->port};
+      auto [socket, bound] = detail::listen_tcp(address);
+      m_registry.check_listen_free(held, bound);
+      listener->address = bound;
+      listener->pauses.emplace(NAME, bound);
+      std::weak_ptr<Backend> weak = weak_from_this();
+      std::weak_ptr<Listener> weak_listener = listener;
+      const std::lock_guard lock{listener->mutex};
+      listener->socket = std::move(socket);
+      // Made now, while descriptors are to be had: it ends the pauses that descriptor
+      // exhaustion causes.
+      listener->resume = m_loop->create_timer([weak_listener] {
+        if (auto l = weak_listener.lock()) {
+          const std::lock_guard relock{l->mutex};
+          if (!l->closed) l->fd.modify(EPOLLIN);
+        }
+      });
+      listener->fd =
+          m_loop->add_fd(listener->socket.get(), EPOLLIN, [weak, weak_listener](std::uint32_t) {
+            auto self = weak.lock();
+            auto l = weak_listener.lock();
+            if (self && l) self->on_acceptable(l);
+          });
+    } catch (const ListenEndpointAlreadyExists&) {
+      throw;
     } catch (const std::runtime_error& e) {
       throw fail(e.what());
     }
     const EndPointAddress actual = listener->address;
+    warn_if_off_devices(actual, true);
     m_registry.add_listener(held, actual, std::move(listener));
     NETIO3_DEBUG("ucx: listening on {}", actual);
     return actual;
@@ -493,44 +558,56 @@ class Backend : public std::enable_shared_from_this<Backend> {
     m_thread.check_caller("open_active_endpoint");
     detail::check_address(address, "open_active_endpoint");
     detail::check_connection_parameters(params, m_config, false);
-    const auto sockaddr = detail::to_socket_address(address);
-    if (!sockaddr) {
+    if (!detail::to_socket_address(address)) {
       throw InvalidEndpointAddress(fmt::format("ucx: {} is not a numeric IP address", address));
     }
+    const auto fail = [&](std::string_view why) {
+      return FailedOpenActiveEndpoint(fmt::format("ucx: cannot connect to {}: {}", address, why));
+    };
+    try {
+      ensure_worker(address, false);
+    } catch (const std::runtime_error& e) {
+      throw fail(e.what());
+    }
+    warn_if_off_devices(address, false);
     std::shared_ptr<Connection> conn;
+    int error = 0;
     {
       const auto held = m_registry.lock();
       m_registry.check_connection_free(held, address);
       try {
         conn = make_connection(address, params, 0, State::CONNECTING, m_global_recv);
-        ucp_ep_params_t ep_params{};
-        ep_params.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR |
-                               UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
-                               UCP_EP_PARAM_FIELD_ERR_HANDLER;
-        ep_params.flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER;
-        ep_params.sockaddr.addr = sockaddr->get();
-        ep_params.sockaddr.addrlen = sockaddr->length;
-        ep_params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
-        ep_params.err_handler.cb = &Backend::ep_error_callback;
-        ep_params.err_handler.arg = conn.get();
-        check("ucp_ep_create", ucp_ep_create(m_worker->get(), &ep_params, &conn->ep));
+        auto started = detail::connect_tcp(address);
+        error = started.error;
+        if (const auto why =
+                detail::configure_stream(started.socket.get(), m_config.limits.peer_timeout);
+            !why.empty()) {
+          throw std::runtime_error(why);
+        }
+        // Findable by its token before the loop can see the socket: the peer's first message
+        // may arrive before this call returns.
+        remember(conn);
+        const std::lock_guard lock{conn->mutex};
+        conn->control = std::move(started.socket);
+        if (error == 0) {
+          conn->control_fd = m_loop->add_fd(conn->control.get(), EPOLLOUT, control_callback(conn));
+        }
       } catch (const InvalidConnectionParameters&) {
+        if (conn) forget(*conn);
         throw;
       } catch (const std::runtime_error& e) {
-        throw FailedOpenActiveEndpoint(
-            fmt::format("ucx: cannot connect to {}: {}", address, e.what()));
+        if (conn) forget(*conn);
+        throw fail(e.what());
       }
-      remember(conn);
       m_registry.add_connection(held, conn);
     }
-    m_deadlines->track(conn);
-    const auto hello = send_control(*conn, MessageType::HELLO);
-    if (hello != UCS_OK) {
-      // Reported like a refusal, from the loop (never from inside this call).
-      post_close(conn, fmt::format("sending HELLO failed: {}", status_text(hello)),
+    if (error != 0) {
+      // Failed at once (no route, ...): reported like any refusal, from the loop.
+      post_close(conn, fmt::format("connect failed: {}", detail::errno_text(error)),
                  CloseKind::ERROR);
+      return;
     }
-    kick();
+    m_deadlines->track(conn);
     NETIO3_DEBUG("ucx: connecting to {}", address);
   }
 
@@ -542,10 +619,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
       const auto held = m_registry.lock();
       std::tie(listener, children) = m_registry.take_listener(held, address);
     }
-    // Requests already queued or still arriving are refused; the UCX listener is destroyed
-    // after a grace period (common/closed_listeners.hpp).
-    listener->closed.store(true);
-    m_closed_listeners->retire(listener);
+    close_listener_socket(*listener);
     NETIO3_DEBUG("ucx: stopped listening on {} ({} connection(s) to close)", address,
                  children.size());
     for (const auto& child : children) close_requested(child, "listen endpoint closed");
@@ -620,14 +694,108 @@ class Backend : public std::enable_shared_from_this<Backend> {
   [[nodiscard]] bool safe() const noexcept { return m_thread.safe(); }
   std::uint64_t next_id() { return m_next_id.fetch_add(1); }
 
+  // ---- the worker ----------------------------------------------------------------------
+
+  // The UCP context and worker are made when the first endpoint is opened, because that
+  // tells which network interface UCX's transports should use: the listen address's, or
+  // the one that leads to the first peer. UCX's tcp transport listens on every device it
+  // uses; restricted so, a server bound to 127.0.0.1 listens nowhere else. UCX_NET_DEVICES
+  // in the environment wins; a wildcard listen address leaves the choice to UCX.
+  void ensure_worker(const EndPointAddress& first, bool listening) {
+    const std::lock_guard lock{m_worker_mutex};
+    if (m_worker) return;
+    std::string devices;
+    if (const char* env = std::getenv("UCX_NET_DEVICES"); env == nullptr || *env == '\0') {
+      const auto iface = listening ? detail::interface_holding(first.address)
+                                   : detail::interface_towards(first.address);
+      if (iface) {
+        devices = *iface;
+        m_devices_interface = *iface;
+        // Shared memory is not a network device: RDMA mode keeps it, and every InfiniBand /
+        // RoCE port (which open no sockets).
+        if (m_config.mode == NetworkMode::RDMA) devices += rdma_ports();
+      }
+    }
+    try {
+      m_worker = std::make_unique<Worker>(m_transports, m_config.thread_safety, devices);
+      ucp_am_handler_param_t handler{};
+      handler.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_FLAGS |
+                           UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG;
+      handler.id = AM_ID;
+      handler.flags = UCP_AM_FLAG_WHOLE_MSG | UCP_AM_FLAG_PERSISTENT_DATA;
+      handler.cb = &Backend::am_callback;
+      handler.arg = this;
+      check("ucp_worker_set_am_recv_handler",
+            ucp_worker_set_am_recv_handler(m_worker->get(), &handler));
+      if (m_shared_send_pool) {
+        m_shared_send_map = MemoryMap{m_worker->context(), m_shared_send_pool->region()};
+      }
+      const auto& rx = m_config.shared_receive_buffers;
+      if (rx.use_shared_receive_buffers) {
+        m_global_recv = std::make_shared<RecvPool>(m_worker->context(), rx.num_buf, rx.buf_size);
+      }
+    } catch (const std::runtime_error& e) {
+      m_shared_send_map = MemoryMap{};
+      m_global_recv.reset();
+      m_worker.reset();
+      throw std::runtime_error(fmt::format("ucx: cannot start UCX: {}", e.what()));
+    }
+    std::weak_ptr<Backend> weak = weak_from_this();
+    m_efd = m_loop->add_fd(m_worker->event_fd(), EPOLLIN, [weak](std::uint32_t) {
+      if (auto self = weak.lock()) self->progress();
+    });
+    m_prepare = m_loop->add_polling_hook([weak] {
+      auto self = weak.lock();
+      return !self || self->may_sleep();
+    });
+    NETIO3_DEBUG("ucx: UCX started, network devices {}, worker address of {} bytes",
+                 devices.empty() ? std::string{"chosen by UCX"} : devices,
+                 m_worker->address().size());
+  }
+
+  // ",mlx5_0:1,..." for every InfiniBand / RoCE port of this host.
+  static std::string rdma_ports() {
+    std::string ports;
+    const std::string root = "/sys/class/infiniband";
+    DIR* devices = ::opendir(root.c_str());
+    if (devices == nullptr) return ports;
+    while (const dirent* device = ::readdir(devices)) {
+      if (device->d_name[0] == '.') continue;
+      const std::string dir = root + "/" + device->d_name + "/ports";
+      DIR* list = ::opendir(dir.c_str());
+      if (list == nullptr) continue;
+      while (const dirent* port = ::readdir(list)) {
+        if (port->d_name[0] != '.') ports += fmt::format(",{}:{}", device->d_name, port->d_name);
+      }
+      ::closedir(list);
+    }
+    ::closedir(devices);
+    return ports;
+  }
+
+  // An endpoint on an interface that UCX was not set up for: its peers may not reach this
+  // process over UCX.
+  void warn_if_off_devices(const EndPointAddress& address, bool listening) const {
+    if (m_devices_interface.empty()) return;
+    const auto iface = listening ? detail::interface_holding(address.address)
+                                 : detail::interface_towards(address.address);
+    if (!iface || *iface == m_devices_interface) return;
+    NETIO3_WARN(
+        "ucx: {} {} goes through {}, but UCX's transports were set up on {} only (the "
+        "interface of the backend's first endpoint); peers that cannot reach {} will fail to "
+        "connect: set UCX_NET_DEVICES to the interfaces the backend needs",
+        listening ? "listen endpoint" : "connection to", address, *iface, m_devices_interface,
+        m_devices_interface);
+  }
+
   // ---- connections -----------------------------------------------------------------
 
   std::shared_ptr<Connection> make_connection(const EndPointAddress& remote,
                                               const ConnectionParameters& params,
                                               std::uint64_t listener_id, State initial,
                                               std::shared_ptr<RecvPool> shared) {
-    auto conn =
-        std::make_shared<Connection>(next_id(), remote, params, listener_id, safe(), initial);
+    auto conn = std::make_shared<Connection>(next_id(), new_token(), remote, params, listener_id,
+                                             safe(), initial);
     conn->backend = this;
     if (shared) {
       conn->recv = std::move(shared);
@@ -650,6 +818,16 @@ class Backend : public std::enable_shared_from_this<Backend> {
     return conn;
   }
 
+  // A random connection token that no connection of this backend has: messages are routed
+  // by it, and a stray or forged message must not land in another connection.
+  std::uint64_t new_token() {
+    const std::lock_guard lock{m_ids_mutex};
+    while (true) {
+      const std::uint64_t token = m_rng();
+      if (token != 0 && !m_by_token.contains(token)) return token;
+    }
+  }
+
   [[nodiscard]] static EndpointCapabilities capabilities(const Connection& conn) {
     return EndpointCapabilities{.send_buffered = conn.send_pool != nullptr,
                                 .send_copy = true,
@@ -660,29 +838,437 @@ class Backend : public std::enable_shared_from_this<Backend> {
   void remember(const std::shared_ptr<Connection>& conn) {
     const std::lock_guard lock{m_ids_mutex};
     m_conn_ids.emplace(conn->id, conn);
-    // UCX reuses the memory of closed endpoints: a new one may have an old one's handle.
-    m_by_ep.insert_or_assign(conn->ep, conn);
-  }
-  // The endpoint is being closed: messages from it are no longer looked up.
-  void forget_endpoint(const Connection& conn) {
-    const std::lock_guard lock{m_ids_mutex};
-    const auto it = m_by_ep.find(conn.ep);
-    if (it != m_by_ep.end() && it->second.lock().get() == &conn) m_by_ep.erase(it);
+    m_by_token.emplace(conn->token, conn);
   }
   void forget(const Connection& conn) {
-    forget_endpoint(conn);
     const std::lock_guard lock{m_ids_mutex};
     m_conn_ids.erase(conn.id);
+    m_by_token.erase(conn.token);
   }
   std::shared_ptr<Connection> connection_by_id(std::uint64_t id) {
     const std::lock_guard lock{m_ids_mutex};
     const auto it = m_conn_ids.find(id);
     return it == m_conn_ids.end() ? nullptr : it->second.lock();
   }
-  std::shared_ptr<Connection> connection_by_ep(ucp_ep_h ep) {
+  std::shared_ptr<Connection> connection_by_token(std::uint64_t token) {
     const std::lock_guard lock{m_ids_mutex};
-    const auto it = m_by_ep.find(ep);
-    return it == m_by_ep.end() ? nullptr : it->second.lock();
+    const auto it = m_by_token.find(token);
+    return it == m_by_token.end() ? nullptr : it->second.lock();
+  }
+
+  // ---- the control channel ---------------------------------------------------------
+
+  FdCallback control_callback(const std::shared_ptr<Connection>& conn) {
+    return
+        [weak = weak_from_this(), weak_conn = std::weak_ptr<Connection>{conn}](std::uint32_t ev) {
+          auto self = weak.lock();
+          auto c = weak_conn.lock();
+          if (self && c) self->on_control_event(c, ev);
+        };
+  }
+
+  void close_listener_socket(Listener& listener) noexcept {
+    const std::lock_guard lock{listener.mutex};
+    if (listener.closed) return;
+    listener.closed = true;
+    listener.fd.close();
+    listener.resume.close();
+    listener.socket.close();
+  }
+
+  void on_acceptable(const std::shared_ptr<Listener>& listener) {
+    for (int i = 0; i < ACCEPTS_PER_EVENT && !m_shut_down; ++i) {
+      sockaddr_storage peer{};
+      socklen_t len = sizeof(peer);
+      detail::Socket socket;
+      {
+        const std::lock_guard lock{listener->mutex};
+        if (listener->closed) return;
+        socket = detail::Socket{::accept4(listener->socket.get(),
+                                          reinterpret_cast<sockaddr*>(&peer),  // NOLINT
+                                          &len, SOCK_NONBLOCK | SOCK_CLOEXEC)};
+      }
+      if (!socket.valid()) {
+        const int err = errno;
+        if (err == EAGAIN || err == EWOULDBLOCK) return;
+        if (err == EMFILE || err == ENFILE || err == ENOBUFS || err == ENOMEM) {
+          pause_listener(*listener, fmt::format("accept failed: {}", detail::errno_text(err)));
+          return;
+        }
+        NETIO3_DEBUG("ucx: accept on {} failed: {}", listener->address, detail::errno_text(err));
+        continue;
+      }
+      if (detail::descriptor_table_nearly_full(socket.get())) {
+        // Accepting on would leave UCX (and the application) no descriptor: UCX's tcp
+        // transport gives up its listener for good when its own accept fails.
+        pause_listener(*listener,
+                       fmt::format("the descriptor table is nearly full (descriptor {} of "
+                                   "RLIMIT_NOFILE); the connection is refused",
+                                   socket.get()));
+        return;
+      }
+      listener->pauses->accepted();
+      const auto remote = detail::to_endpoint_address(&peer, len);
+      if (!remote) continue;
+      accept_one(listener, std::move(socket), *remote);
+    }
+  }
+
+  void pause_listener(Listener& listener, const std::string& why) {
+    listener.pauses->paused(why);
+    const std::lock_guard lock{listener.mutex};
+    if (listener.closed) return;
+    listener.fd.modify(0);
+    listener.resume.start_once(detail::AcceptPauses::BACKOFF);
+  }
+
+  void accept_one(const std::shared_ptr<Listener>& listener, detail::Socket socket,
+                  const EndPointAddress& remote) {
+    if (const auto why = detail::configure_stream(socket.get(), m_config.limits.peer_timeout);
+        !why.empty()) {
+      NETIO3_WARN("ucx: cannot configure the connection from {} on {}: {}", remote,
+                  listener->address, why);
+      return;
+    }
+    std::shared_ptr<Connection> conn;
+    {
+      const auto held = m_registry.lock();
+      if (!m_registry.has_listener(held, listener->address)) return;  // closed meanwhile
+      if (m_registry.find(held, remote)) {
+        NETIO3_WARN(
+            "ucx: refusing a connection on {} from {}: a connection with that address exists",
+            listener->address, remote);
+        return;
+      }
+      try {
+        conn = make_connection(remote, listener->params, listener->id, State::GREETING,
+                               listener->shared_recv ? listener->shared_recv : m_global_recv);
+        remember(conn);
+        const std::lock_guard lock{conn->mutex};
+        conn->control = std::move(socket);
+        conn->control_fd = m_loop->add_fd(conn->control.get(), EPOLLIN, control_callback(conn));
+      } catch (const std::exception& e) {
+        NETIO3_WARN("ucx: refusing a connection on {} from {}: {}", listener->address, remote,
+                    e.what());
+        if (conn) forget(*conn);
+        return;
+      }
+      m_registry.add_connection(held, conn);
+    }
+    m_deadlines->track(conn);
+    NETIO3_DEBUG("ucx: accepted a connection from {} on {}", remote, listener->address);
+    // The server greets at once; the client greets as soon as its connection is up.
+    write_control(conn, opening(*conn));
+  }
+
+  std::vector<std::uint8_t> opening(const Connection& conn) const {
+    return encode_opening(
+        Hello{.mode = m_config.mode == NetworkMode::RDMA ? std::uint8_t{1} : std::uint8_t{0},
+              .max_message_size = m_config.limits.max_message_size,
+              .token = conn.token,
+              .worker_address = m_worker->address()});
+  }
+
+  // Writes control bytes; what would block waits for EPOLLOUT. Loop thread.
+  void write_control(const std::shared_ptr<Connection>& conn, std::span<const std::uint8_t> bytes) {
+    if (!conn->control.valid()) return;
+    if (conn->control_out.empty()) {
+      while (!bytes.empty()) {
+        const ssize_t n =
+            ::send(conn->control.get(), bytes.data(), bytes.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (n > 0) {
+          bytes = bytes.subspan(static_cast<std::size_t>(n));
+          continue;
+        }
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
+        const auto reason =
+            fmt::format("sending on the control connection failed: {}", detail::errno_text(errno));
+        close_connection(conn, reason, CloseKind::ERROR);
+        return;
+      }
+      if (bytes.empty()) return;
+    }
+    conn->control_out.insert(conn->control_out.end(), bytes.begin(), bytes.end());
+    const std::lock_guard lock{conn->mutex};
+    conn->control_fd.modify(EPOLLIN | EPOLLOUT);
+  }
+
+  void flush_control(const std::shared_ptr<Connection>& conn) {
+    std::vector<std::uint8_t> pending = std::move(conn->control_out);
+    conn->control_out.clear();
+    {
+      const std::lock_guard lock{conn->mutex};
+      conn->control_fd.modify(EPOLLIN);
+    }
+    write_control(conn, pending);
+  }
+
+  void on_control_event(const std::shared_ptr<Connection>& conn, std::uint32_t events) {
+    if (m_shut_down || !conn->control.valid()) return;
+    if (conn->state == State::CONNECTING) {
+      const int err = detail::connect_result(conn->control.get());
+      if (err != 0) {
+        close_connection(conn, fmt::format("connect failed: {}", detail::errno_text(err)),
+                         CloseKind::ERROR);
+        return;
+      }
+      {
+        const std::lock_guard lock{conn->mutex};
+        conn->state = State::GREETING;
+        conn->control_fd.modify(EPOLLIN);
+      }
+      m_greeting_deadlines->track(conn);
+      write_control(conn, opening(*conn));
+      return;
+    }
+    if ((events & EPOLLOUT) != 0 && !conn->control_out.empty()) {
+      flush_control(conn);
+      if (m_shut_down || !conn->control.valid()) return;
+    }
+    if ((events & (EPOLLIN | EPOLLHUP | EPOLLERR)) != 0) read_control(conn);
+  }
+
+  [[nodiscard]] bool control_active(const Connection& conn) const noexcept {
+    return !m_shut_down && conn.control.valid() &&
+           (conn.state == State::GREETING || conn.state == State::OPEN);
+  }
+
+  void read_control(const std::shared_ptr<Connection>& conn) {
+    std::array<std::uint8_t, 4096> buffer{};
+    for (int i = 0; i < READS_PER_EVENT; ++i) {
+      const ssize_t n = ::recv(conn->control.get(), buffer.data(), buffer.size(), MSG_DONTWAIT);
+      if (n > 0) {
+        const auto status = conn->decoder.feed(
+            std::span<const std::uint8_t>{buffer.data(), static_cast<std::size_t>(n)},
+            [&](const detail::Greeting&) { return true; },
+            [&](std::span<const std::uint8_t> frame) { return on_control_frame(conn, frame); });
+        if (!control_active(*conn)) return;
+        if (status == detail::FrameDecoder::Status::ERROR) {
+          protocol_error_now(conn, conn->decoder.error());
+          return;
+        }
+        if (static_cast<std::size_t>(n) < buffer.size()) return;
+        continue;
+      }
+      if (n == 0) {
+        on_control_end(conn, "the peer closed the control connection");
+        return;
+      }
+      const int err = errno;
+      if (err == EAGAIN || err == EWOULDBLOCK) return;
+      if (err == EINTR) continue;
+      on_control_end(conn,
+                     fmt::format("the control connection failed: {}", detail::errno_text(err)));
+      return;
+    }
+  }
+
+  // A protocol error on the control channel: that one connection goes, with the reason.
+  void protocol_error_now(const std::shared_ptr<Connection>& conn, const std::string& why) {
+    NETIO3_WARN("ucx: closing connection with {}: {}", conn->remote, why);
+    close_connection(conn, why, CloseKind::ERROR);
+  }
+
+  // Returns whether to go on decoding.
+  bool on_control_frame(const std::shared_ptr<Connection>& conn,
+                        std::span<const std::uint8_t> frame) {
+    if (conn->decoder.frame_type() == FRAME_HELLO) {
+      on_hello(conn, frame);
+    } else {
+      const auto total = decode_close(frame);
+      if (!total) {
+        protocol_error_now(conn, fmt::format("a CLOSE of {} bytes", frame.size()));
+      } else if (!conn->greeted) {
+        protocol_error_now(conn, "CLOSE before HELLO");
+      } else if (!conn->peer_total) {
+        // The peer closed: deliver what it sent, up to its BYE (service_inbox), within
+        // close_timeout.
+        conn->peer_total = *total;
+        m_peer_close_deadlines->track(conn);
+        mark_dirty(*conn);
+      }
+    }
+    return control_active(*conn);
+  }
+
+  void on_hello(const std::shared_ptr<Connection>& conn, std::span<const std::uint8_t> frame) {
+    if (conn->greeted || conn->state != State::GREETING) {
+      protocol_error_now(conn, "a second HELLO");
+      return;
+    }
+    std::string error;
+    const auto hello = decode_hello(frame, error);
+    if (!hello) {
+      protocol_error_now(conn, error);
+      return;
+    }
+    std::shared_ptr<Endpoint> endpoint;
+    try {
+      endpoint = acquire_endpoint(hello->worker_address);
+    } catch (const std::runtime_error& e) {
+      const auto reason = fmt::format("cannot reach the peer over UCX: {}", e.what());
+      NETIO3_WARN("ucx: connection with {}: {}", conn->remote, reason);
+      close_connection(conn, reason, CloseKind::ERROR);
+      return;
+    }
+    endpoint->users.push_back(conn);
+    conn->greeted = true;
+    {
+      const std::lock_guard lock{conn->mutex};
+      conn->ep = std::move(endpoint);
+      conn->peer_token = hello->token;
+      conn->peer_max = hello->max_message_size;
+    }
+    NETIO3_DEBUG("ucx: {} speaks protocol {}, accepts messages up to {} bytes ({} mode)",
+                 conn->remote, PROTOCOL_VERSION, hello->max_message_size,
+                 hello->mode == 1 ? "rdma" : "tcp");
+    // Our first message over UCX; the connection is established on each side when the
+    // other's has arrived, which proves that UCX reaches the peer (service_inbox).
+    const auto ready = send_control(*conn, MessageType::READY);
+    if (ready != UCS_OK) {
+      const auto reason = fmt::format("sending READY failed: {}", status_text(ready));
+      NETIO3_WARN("ucx: connection with {}: {}", conn->remote, reason);
+      close_connection(conn, reason, CloseKind::ERROR);
+      return;
+    }
+    mark_dirty(*conn);  // the peer's READY may be here already
+  }
+
+  // Both HELLO and the peer's READY are in: the connection is established.
+  void established(const std::shared_ptr<Connection>& conn) {
+    {
+      const std::lock_guard lock{conn->mutex};
+      conn->state = State::OPEN;
+    }
+    m_notifier.established(conn->remote, capabilities(*conn));
+  }
+
+  // The control connection ended (EOF or error) while the connection is set up or open.
+  void on_control_end(const std::shared_ptr<Connection>& conn, const std::string& how) {
+    drop_control(*conn);
+    if (conn->peer_total) return;  // after CLOSE: its messages are still arriving
+    if (conn->state != State::OPEN) {
+      close_connection(conn, how, CloseKind::ERROR);
+      return;
+    }
+    // No CLOSE first: the peer's process ended (or it is not netio3). What arrived complete
+    // is delivered, then the connection closes (service_inbox).
+    conn->peer_error = fmt::format("{} without closing first (its process ended?)", how);
+    NETIO3_DEBUG("ucx: connection with {}: {}", conn->remote, conn->peer_error);
+    mark_dirty(*conn);
+  }
+
+  // Closes the control socket now (the peer sees EOF, or a reset).
+  void drop_control(Connection& conn) noexcept {
+    {
+      const std::lock_guard lock{conn.mutex};
+      conn.control_fd.close();
+    }
+    conn.control_out.clear();
+    detail::drain_and_close(conn.control);
+  }
+
+  // Hands the control socket to the lingering set after an orderly close: our FIN is sent,
+  // what the peer still sends is read until it closes too.
+  void linger_control(Connection& conn) {
+    {
+      const std::lock_guard lock{conn.mutex};
+      conn.control_fd.close();
+    }
+    if (!conn.control_out.empty()) {
+      conn.control_out.clear();
+      detail::drain_and_close(conn.control);
+      return;
+    }
+    if (conn.control.valid()) m_lingering->add(std::move(conn.control));
+  }
+
+  // ---- endpoints ---------------------------------------------------------------------
+
+  // The endpoint to the worker at `address`: the one its earlier connections use, or a new
+  // one. Throws UcxError.
+  std::shared_ptr<Endpoint> acquire_endpoint(std::span<const std::uint8_t> address) {
+    std::string peer{address.begin(), address.end()};
+    if (const auto it = m_peers.find(peer); it != m_peers.end()) return it->second;
+    auto endpoint = std::make_shared<Endpoint>(next_id(), peer);
+    endpoint->backend = this;
+    endpoint->last_progress = std::chrono::steady_clock::now();
+    // UCX reads the address without knowing its length: a copy with room behind it, so that
+    // a truncated address cannot make it read beyond the buffer.
+    std::vector<std::uint8_t> padded(address.size() + 4096, 0);
+    std::copy(address.begin(), address.end(), padded.begin());
+    ucp_ep_params_t params{};
+    params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                        UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    params.address = reinterpret_cast<const ucp_address_t*>(padded.data());  // NOLINT
+    params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+    params.err_handler.cb = &Backend::ep_error_callback;
+    params.err_handler.arg = endpoint.get();
+    check("ucp_ep_create", ucp_ep_create(m_worker->get(), &params, &endpoint->handle));
+    m_endpoints.emplace(endpoint->id, endpoint);
+    m_peers.emplace(std::move(peer), endpoint);
+    NETIO3_DEBUG("ucx: a new endpoint to a peer worker ({} in all)", m_endpoints.size());
+    return endpoint;
+  }
+
+  // The connection no longer sends on its endpoint (which stays for the others).
+  void release_endpoint(Connection& conn) {
+    std::shared_ptr<Endpoint> endpoint;
+    {
+      const std::lock_guard lock{conn.mutex};
+      conn.ep_released = true;
+      endpoint = std::move(conn.ep);
+    }
+    if (!endpoint) return;
+    std::erase_if(endpoint->users, [&](const std::weak_ptr<Connection>& user) {
+      const auto c = user.lock();
+      return !c || c.get() == &conn;
+    });
+  }
+
+  // Closes an endpoint by force (UCX completes, as cancelled, what it still holds) and ends
+  // the connections that use it with `why`.
+  void close_endpoint(const std::shared_ptr<Endpoint>& endpoint, const std::string& why) {
+    if (endpoint->closing) return;
+    endpoint->closing = true;
+    if (const auto it = m_peers.find(endpoint->peer);
+        it != m_peers.end() && it->second == endpoint) {
+      m_peers.erase(it);
+    }
+    ucp_request_param_t param{};
+    param.op_attr_mask =
+        UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+    param.cb.send = &Backend::ep_close_callback;
+    param.user_data = endpoint.get();
+    param.flags = UCP_EP_CLOSE_FLAG_FORCE;
+    NETIO3_DEBUG("ucx: closing an endpoint by force ({} connection(s) on it): {}",
+                 endpoint->users.size(), why);
+    // Under each user's lock, which every send holds: no thread is in ucp_am_send_nbx on the
+    // endpoint once this loop is done, and none starts (post()).
+    for (const auto& user : endpoint->users) {
+      if (auto conn = user.lock()) {
+        const std::lock_guard lock{conn->mutex};
+        conn->ep_closing = true;
+      }
+    }
+    const ucs_status_ptr_t request = ucp_ep_close_nbx(endpoint->handle, &param);
+    if (request == nullptr || UCS_PTR_IS_ERR(request)) {
+      push_event(Event{.kind = Event::Kind::EP_CLOSED, .id = endpoint->id});
+    }
+    const auto users = endpoint->users;
+    for (const auto& user : users) {
+      if (auto conn = user.lock()) on_ep_error(conn, why);
+      if (m_shut_down) return;
+    }
+  }
+
+  void on_endpoint_error(std::uint64_t id, ucs_status_t status) {
+    const auto it = m_endpoints.find(id);
+    if (it == m_endpoints.end()) return;
+    const auto endpoint = it->second;
+    endpoint->failed = true;
+    close_endpoint(endpoint, fmt::format("connection lost: {}", status_text(status)));
   }
 
   // ---- sending ---------------------------------------------------------------------
@@ -780,7 +1366,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
     return NetioStatus::OK;
   }
 
-  // Control messages (HELLO, HELLO_ACK, BYE) use the reserved slots. Under no lock.
+  // READY or BYE, in the reserved slots. Under no lock.
   ucs_status_t send_control(Connection& conn, MessageType type) {
     const std::lock_guard lock{conn.mutex};
     if (conn.free_ops.empty() && conn.ops.size() >= MAX_SEND_DEPTH + CONTROL_OPS) {
@@ -790,19 +1376,12 @@ class Backend : public std::enable_shared_from_this<Backend> {
     op.control = true;
     op.bytes = 0;
     op.buffer = nullptr;
-    const void* buffer = nullptr;
-    std::size_t count = 0;
-    if (type == MessageType::HELLO || type == MessageType::HELLO_ACK) {
-      op.hello = encode_hello(m_config.limits.max_message_size);
-      buffer = op.hello.data();
-      count = op.hello.size();
-    }
-    const ucs_status_t status = post(conn, op, type, buffer, count, ucp_dt_make_contig(1), nullptr);
+    const ucs_status_t status = post(conn, op, type, nullptr, 0, ucp_dt_make_contig(1), nullptr);
     if (status != UCS_INPROGRESS) release_op(conn, op);
     return status == UCS_INPROGRESS ? UCS_OK : status;
   }
 
-  // A free op, or a new one (data sends are bounded by MAX_SEND_DEPTH, control messages by
+  // A free op, or a new one (data sends are bounded by MAX_SEND_DEPTH, READY and BYE by
   // CONTROL_OPS, so the deque never grows past their sum).
   static SendOp& take_op(Connection& conn) {
     if (conn.free_ops.empty()) {
@@ -828,8 +1407,8 @@ class Backend : public std::enable_shared_from_this<Backend> {
     op.staging_capacity = 0;
   }
 
-  // Copy sends' staging memory mappings go with the endpoint's (the memory itself with the
-  // connection object).
+  // Copy sends' staging memory mappings go with the connection's (the memory itself with
+  // the connection object).
   static void unmap_staging(Connection& conn) {
     const std::lock_guard lock{conn.mutex};
     for (auto& op : conn.ops) op.staging_map = MemoryMap{};
@@ -856,27 +1435,26 @@ class Backend : public std::enable_shared_from_this<Backend> {
   ucs_status_t post(Connection& conn, SendOp& op, MessageType type, const void* buffer,
                     std::size_t count, ucp_datatype_t datatype, ucp_mem_h memh,
                     std::span<const std::uint8_t> prefix = {}) {
-    const auto fixed =
-        encode_header(AmHeader{type, conn.tx_seq, static_cast<std::uint8_t>(prefix.size())});
+    if (conn.ep == nullptr || conn.ep_released || conn.ep_closing) return UCS_ERR_CANCELED;
+    const auto fixed = encode_header(
+        AmHeader{type, conn.tx_seq, static_cast<std::uint8_t>(prefix.size()), conn.peer_token});
     std::copy(fixed.begin(), fixed.end(), op.am_header.begin());
     if (!prefix.empty())
       std::copy(prefix.begin(), prefix.end(), op.am_header.begin() + AM_HEADER_SIZE);
     op.am_header_len = AM_HEADER_SIZE + prefix.size();
-    if (conn.ep_close_started) return UCS_ERR_CANCELED;  // the endpoint is being closed
     ucp_request_param_t param{};
-    param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
-                         UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_DATATYPE;
+    param.op_attr_mask =
+        UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_DATATYPE;
     param.cb.send = &Backend::send_callback;
     param.user_data = &op;
-    // The UCX header stays in the op until completion (UCX 1.13 has no
-    // UCP_AM_SEND_FLAG_COPY_HEADER; with it the header could live on the stack).
-    param.flags = UCP_AM_SEND_FLAG_REPLY;
     param.datatype = datatype;
     if (memh != nullptr) {
       param.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
       param.memh = memh;
     }
-    const ucs_status_ptr_t request = ucp_am_send_nbx(conn.ep, AM_ID, op.am_header.data(),
+    // The UCX header stays in the op until completion (UCX 1.13 has no
+    // UCP_AM_SEND_FLAG_COPY_HEADER; with it the header could live on the stack).
+    const ucs_status_ptr_t request = ucp_am_send_nbx(conn.ep->handle, AM_ID, op.am_header.data(),
                                                      op.am_header_len, buffer, count, &param);
     if (UCS_PTR_IS_ERR(request)) return UCS_PTR_STATUS(request);
     ++conn.tx_seq;
@@ -896,41 +1474,21 @@ class Backend : public std::enable_shared_from_this<Backend> {
     auto* op = static_cast<SendOp*>(user_data);
     Backend* self = op->conn->backend;
     ucp_request_free(request);
-    self->push_event(Event{.kind = Event::Kind::SEND_DONE,
-                           .conn_id = op->conn->id,
-                           .slot = op->slot,
-                           .status = status});
+    self->push_event(Event{
+        .kind = Event::Kind::SEND_DONE, .id = op->conn->id, .slot = op->slot, .status = status});
   }
 
   static void ep_error_callback(void* arg, ucp_ep_h /*ep*/, ucs_status_t status) {
-    auto* conn = static_cast<Connection*>(arg);
-    conn->backend->push_event(
-        Event{.kind = Event::Kind::EP_ERROR, .conn_id = conn->id, .status = status});
+    auto* endpoint = static_cast<Endpoint*>(arg);
+    endpoint->backend->push_event(
+        Event{.kind = Event::Kind::EP_ERROR, .id = endpoint->id, .status = status});
   }
 
-  static void flush_callback(void* request, ucs_status_t status, void* user_data) {
-    auto* conn = static_cast<Connection*>(user_data);
+  static void ep_close_callback(void* request, ucs_status_t status, void* user_data) {
+    auto* endpoint = static_cast<Endpoint*>(user_data);
     ucp_request_free(request);
-    conn->backend->push_event(
-        Event{.kind = Event::Kind::FLUSH_DONE, .conn_id = conn->id, .status = status});
-  }
-
-  static void close_callback(void* request, ucs_status_t status, void* user_data) {
-    auto* conn = static_cast<Connection*>(user_data);
-    ucp_request_free(request);
-    conn->backend->push_event(
-        Event{.kind = Event::Kind::CLOSE_DONE, .conn_id = conn->id, .status = status});
-  }
-
-  static void conn_request_callback(ucp_conn_request_h request, void* arg) {
-    auto* listener = static_cast<Listener*>(arg);
-    if (listener->closed.load()) {
-      ucp_listener_reject(listener->handle, request);
-      return;
-    }
-    listener->backend->push_event(Event{.kind = Event::Kind::CONN_REQUEST,
-                                        .listener = listener->shared_from_this(),
-                                        .request = request});
+    endpoint->backend->push_event(
+        Event{.kind = Event::Kind::EP_CLOSED, .id = endpoint->id, .status = status});
   }
 
   static void receive_callback(void* request, ucs_status_t status, std::size_t length,
@@ -955,26 +1513,19 @@ class Backend : public std::enable_shared_from_this<Backend> {
     // Dropping a rendezvous message fails the sender's send; an eager one is just freed.
     const ucs_status_t drop = rndv ? UCS_ERR_CANCELED : UCS_OK;
     if (m_shut_down) return drop;
-    if ((param.recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) == 0) {
-      NETIO3_WARN("ucx: dropping a message without its sender's endpoint");
-      return drop;
-    }
-    const auto conn = connection_by_ep(param.reply_ep);
-    if (!conn) {
-      NETIO3_DEBUG("ucx: dropping a message from an endpoint that is gone");
-      return drop;
-    }
-    if (!conn->wired) {
-      conn->wired = true;
-      mark_dirty(*conn);  // a close waiting for the set-up to end goes on (service_inbox)
-    }
-    if (conn->failed || conn->state == State::CLOSING || conn->state == State::CLOSED) return drop;
     std::string error;
     const auto decoded = decode_header(header, error);
     if (!decoded) {
-      protocol_error(*conn, error);
+      // Not addressed to a connection that can be named: nothing to close.
+      NETIO3_WARN("ucx: dropping a message: {}", error);
       return drop;
     }
+    const auto conn = connection_by_token(decoded->token);
+    if (!conn) {
+      NETIO3_DEBUG("ucx: dropping a message for a connection that is gone");
+      return drop;
+    }
+    if (conn->failed || conn->state == State::CLOSING || conn->state == State::CLOSED) return drop;
     const std::uint64_t seq = decoded->seq;
     if (seq < conn->rx_next || seq - conn->rx_next >= MAX_REORDER) {
       protocol_error(*conn, fmt::format("message number {} outside the window [{}, {})", seq,
@@ -988,19 +1539,8 @@ class Backend : public std::enable_shared_from_this<Backend> {
       protocol_error(*conn, fmt::format("message number {} arrived twice", seq));
       return drop;
     }
-    std::size_t limit = 0;
-    switch (decoded->type) {
-      case MessageType::HELLO:
-      case MessageType::HELLO_ACK:
-        limit = HELLO_SIZE;
-        break;
-      case MessageType::DATA:
-        limit = m_config.limits.max_message_size;
-        break;
-      case MessageType::BYE:
-        limit = 0;
-        break;
-    }
+    const std::size_t limit =
+        decoded->type == MessageType::DATA ? m_config.limits.max_message_size : 0;
     const std::span<const std::uint8_t> prefix = header.subspan(AM_HEADER_SIZE);
     if (length > limit || prefix.size() > limit - length) {
       protocol_error(*conn, fmt::format("a message of {} bytes exceeds the limit of {} bytes",
@@ -1047,7 +1587,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
   void protocol_error(Connection& conn, const std::string& why) {
     conn.failed = true;
     NETIO3_WARN("ucx: connection with {}: {}", conn.remote, why);
-    push_event(Event{.kind = Event::Kind::PROTOCOL_ERROR, .conn_id = conn.id, .reason = why});
+    push_event(Event{.kind = Event::Kind::PROTOCOL_ERROR, .id = conn.id, .reason = why});
   }
 
   void mark_dirty(Connection& conn) {
@@ -1082,7 +1622,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
   // Progresses the worker until it has nothing left and handles what it reported. Returns
   // whether anything happened.
   bool progress() {
-    if (m_progressing || m_shut_down) return false;
+    if (m_progressing || m_shut_down || !m_worker) return false;
     m_progressing = true;
     bool active = false;
     for (int round = 0; round < PROGRESS_ROUNDS; ++round) {
@@ -1158,9 +1698,6 @@ class Backend : public std::enable_shared_from_this<Backend> {
 
   void handle(Event& event) {
     switch (event.kind) {
-      case Event::Kind::CONN_REQUEST:
-        on_connection_request(event.listener, event.request);
-        return;
       case Event::Kind::SENT_AT_ONCE: {
         const auto& conn = event.conn;
         {
@@ -1169,40 +1706,27 @@ class Backend : public std::enable_shared_from_this<Backend> {
         }
         if (event.buffer != nullptr) conn->send_pool->release(event.buffer);
         m_notifier.send_completed(conn->remote, event.key);
-        if (conn->state == State::CLOSING) maybe_finish(conn);
+        if (conn->state == State::CLOSING) advance_close(conn);
         return;
       }
+      case Event::Kind::EP_ERROR:
+        on_endpoint_error(event.id, event.status);
+        return;
+      case Event::Kind::EP_CLOSED:
+        if (event.status != UCS_OK) {
+          NETIO3_DEBUG("ucx: closing an endpoint: {}", status_text(event.status));
+        }
+        m_endpoints.erase(event.id);
+        return;
       default:
         break;
     }
-    const auto conn = connection_by_id(event.conn_id);
+    const auto conn = connection_by_id(event.id);
     if (!conn) return;
-    switch (event.kind) {
-      case Event::Kind::SEND_DONE:
-        on_send_done(conn, event.slot, event.status);
-        break;
-      case Event::Kind::EP_ERROR:
-        on_ep_error(conn, event.status);
-        break;
-      case Event::Kind::FLUSH_DONE:
-        conn->flushing = false;
-        conn->flushed = true;
-        if (event.status != UCS_OK) conn->force_close = true;
-        advance_close(conn);
-        break;
-      case Event::Kind::CLOSE_DONE:
-        conn->ep_closed = true;
-        if (event.status != UCS_OK) {
-          NETIO3_DEBUG("ucx: closing the endpoint to {}: {}", conn->remote,
-                       status_text(event.status));
-        }
-        maybe_finish(conn);
-        break;
-      case Event::Kind::PROTOCOL_ERROR:
-        close_connection(conn, event.reason, CloseKind::ERROR);
-        break;
-      default:
-        break;
+    if (event.kind == Event::Kind::SEND_DONE) {
+      on_send_done(conn, event.slot, event.status);
+    } else {
+      close_connection(conn, event.reason, CloseKind::ERROR);
     }
   }
 
@@ -1210,14 +1734,13 @@ class Backend : public std::enable_shared_from_this<Backend> {
                     ucs_status_t status) {
     detail::PendingSend done;
     bool completed = false;
-    bool control = false;
     State state{};
     {
       const std::lock_guard lock{conn->mutex};
       SendOp& op = conn->ops[slot];
-      control = op.control;
       --conn->requests;
-      if (!control) {
+      if (status == UCS_OK && conn->ep) conn->ep->last_progress = std::chrono::steady_clock::now();
+      if (!op.control) {
         --conn->data_ops;
         conn->unsent_bytes -= std::min<std::uint64_t>(conn->unsent_bytes, op.bytes);
         if (status == UCS_OK) completed = conn->ledger.complete(op.ticket, done);
@@ -1236,88 +1759,17 @@ class Backend : public std::enable_shared_from_this<Backend> {
       if (done.buffer != nullptr) conn->send_pool->release(done.buffer);
       m_notifier.send_completed(conn->remote, done.key);
     }
-    if (conn->state == State::CLOSING) maybe_finish(conn);
+    if (conn->state == State::CLOSING) advance_close(conn);
   }
 
-  void on_ep_error(const std::shared_ptr<Connection>& conn, ucs_status_t status) {
-    conn->wired = true;  // set-up over, if it was not
-    if (conn->state == State::CLOSING || conn->state == State::CLOSED) {
-      // A flush in progress ends with an error of its own; the close is forced.
-      conn->force_close = true;
-      advance_close(conn);
-      return;
-    }
-    const bool refused = conn->state == State::CONNECTING;
-    const auto reason = refused ? fmt::format("connection failed: {}", status_text(status))
-                                : fmt::format("connection lost: {}", status_text(status));
-    if (conn->state == State::OPEN) {
-      // What arrived complete before the error is still delivered (a BYE among it makes
-      // this an orderly close); service_inbox closes once nothing more can come.
-      NETIO3_DEBUG("ucx: connection with {}: {}", conn->remote, reason);
-      conn->peer_error = reason;
-      mark_dirty(*conn);
-      return;
-    }
-    NETIO3_DEBUG("ucx: connection with {}: {}", conn->remote, reason);
-    close_connection(conn, reason, CloseKind::ERROR);
-  }
-
-  void on_connection_request(const std::shared_ptr<Listener>& listener,
-                             ucp_conn_request_h request) {
-    const auto reject = [&](std::string_view why) {
-      NETIO3_INFO("ucx: refusing a connection on {}: {}", listener->address, why);
-      ucp_listener_reject(listener->handle, request);
-    };
-    if (listener->closed.load() || m_shut_down) {
-      reject("the listen endpoint is closed");
-      return;
-    }
-    ucp_conn_request_attr_t attr{};
-    attr.field_mask = UCP_CONN_REQUEST_ATTR_FIELD_CLIENT_ADDR;
-    const ucs_status_t queried = ucp_conn_request_query(request, &attr);
-    const auto remote = queried == UCS_OK ? detail::to_endpoint_address(&attr.client_address,
-                                                                        sizeof(attr.client_address))
-                                          : std::nullopt;
-    if (!remote) {
-      reject(fmt::format("the request carries no IP address ({})", status_text(queried)));
-      return;
-    }
-    std::shared_ptr<Connection> conn;
-    {
-      const auto held = m_registry.lock();
-      if (!m_registry.has_listener(held, listener->address)) {
-        reject("the listen endpoint is closed");
-        return;
-      }
-      if (m_registry.find(held, *remote)) {
-        reject(fmt::format("a connection with {} exists", *remote));
-        return;
-      }
-      try {
-        conn = make_connection(*remote, listener->params, listener->id, State::ACCEPTING,
-                               listener->shared_recv ? listener->shared_recv : m_global_recv);
-      } catch (const std::exception& e) {
-        reject(e.what());
-        return;
-      }
-      ucp_ep_params_t ep_params{};
-      ep_params.field_mask = UCP_EP_PARAM_FIELD_CONN_REQUEST |
-                             UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
-      ep_params.conn_request = request;
-      ep_params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
-      ep_params.err_handler.cb = &Backend::ep_error_callback;
-      ep_params.err_handler.arg = conn.get();
-      const ucs_status_t created = ucp_ep_create(m_worker->get(), &ep_params, &conn->ep);
-      if (created != UCS_OK) {
-        NETIO3_WARN("ucx: accepting a connection from {} on {}: ucp_ep_create failed: {}", *remote,
-                    listener->address, status_text(created));
-        return;
-      }
-      remember(conn);
-      m_registry.add_connection(held, conn);
-    }
-    m_deadlines->track(conn);
-    NETIO3_DEBUG("ucx: accepting connection from {} on {}", *remote, listener->address);
+  // The connection's endpoint failed or was closed by force: UCX completes its sends.
+  void on_ep_error(const std::shared_ptr<Connection>& conn, const std::string& why) {
+    if (conn->state == State::CLOSING || conn->state == State::CLOSED) return;
+    // What arrived complete before the error is still delivered (a BYE among it makes this
+    // an orderly close); service_inbox closes once nothing more can come.
+    conn->peer_error = why;
+    NETIO3_DEBUG("ucx: connection with {}: {}", conn->remote, conn->peer_error);
+    mark_dirty(*conn);
   }
 
   // Starts the receives of waiting rendezvous messages and delivers what is in order.
@@ -1327,6 +1779,30 @@ class Backend : public std::enable_shared_from_this<Backend> {
       advance_close(conn);
       return;
     }
+    if (conn->state == State::GREETING) {
+      // Set-up: message 0 must be the peer's READY; what follows it waits until the HELLO is
+      // in too (nothing is received for a connection that is not set up).
+      if (!conn->peer_ready && !conn->inbox.empty() &&
+          conn->inbox.front().stage == Incoming::Stage::READY) {
+        Incoming message = std::move(conn->inbox.front());
+        conn->inbox.pop_front();
+        ++conn->rx_next;
+        release(*conn, message);
+        if (message.type != MessageType::READY) {
+          protocol_error_now(conn, "the peer's first message is not READY");
+          return;
+        }
+        conn->peer_ready = true;
+      }
+      if (!conn->peer_error.empty()) {
+        close_connection(conn, conn->peer_error, CloseKind::ERROR);
+        return;
+      }
+      if (!conn->peer_ready || !conn->greeted) return;
+      established(conn);
+      if (m_shut_down || conn->state != State::OPEN) return;
+    }
+    if (conn->state != State::OPEN) return;
     for (auto& slot : conn->inbox) {
       if (slot.stage != Incoming::Stage::RNDV) continue;
       if (conn->receiving > 0 && conn->receiving_bytes + slot.length > RECEIVE_WINDOW) break;
@@ -1348,14 +1824,16 @@ class Backend : public std::enable_shared_from_this<Backend> {
         return;
       }
     }
-    if (!conn->peer_error.empty() && conn->receiving == 0) {
+    if (conn->peer_total && conn->rx_next >= *conn->peer_total) {
+      close_connection(conn, "peer closed the connection", CloseKind::PEER);
+    } else if (!conn->peer_error.empty()) {
+      // The peer is gone: what is still on its way (a rendezvous in flight) cannot complete.
       NETIO3_INFO("ucx: connection with {}: {}", conn->remote, conn->peer_error);
       close_connection(conn, conn->peer_error, CloseKind::ERROR);
     }
   }
 
   void start_receive(Connection& conn, Incoming& slot) {
-    void* target = nullptr;
     ucp_request_param_t param{};
     param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
                          UCP_OP_ATTR_FIELD_DATATYPE | UCP_OP_ATTR_FIELD_RECV_INFO;
@@ -1373,7 +1851,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
       start = slot.heap.get();
     }
     if (slot.prefix_len > 0) std::memcpy(start, slot.prefix.data(), slot.prefix_len);
-    target = start + slot.prefix_len;
+    void* target = start + slot.prefix_len;
     std::size_t received = 0;
     param.cb.recv_am = &Backend::receive_callback;
     param.user_data = &slot;
@@ -1402,53 +1880,15 @@ class Backend : public std::enable_shared_from_this<Backend> {
       close_connection(conn, reason, CloseKind::ERROR);
       return;
     }
-    const std::span<const std::uint8_t> bytes{message.data, message.length};
-    switch (message.type) {
-      case MessageType::DATA:
-        if (conn->state != State::OPEN) {
-          close_connection(conn, "data before the connection was established", CloseKind::ERROR);
-          return;
-        }
-        m_notifier.data(conn->remote, bytes);
-        return;
-      case MessageType::HELLO:
-      case MessageType::HELLO_ACK: {
-        const State expected =
-            message.type == MessageType::HELLO ? State::ACCEPTING : State::CONNECTING;
-        const auto peer_max = decode_hello(bytes);
-        if (conn->state != expected || !peer_max) {
-          const auto reason = fmt::format(
-              "unexpected {} message", message.type == MessageType::HELLO ? "HELLO" : "HELLO_ACK");
-          NETIO3_WARN("ucx: connection with {}: {}", conn->remote, reason);
-          close_connection(conn, reason, CloseKind::ERROR);
-          return;
-        }
-        if (message.type == MessageType::HELLO) {
-          const auto status = send_control(*conn, MessageType::HELLO_ACK);
-          if (status != UCS_OK) {
-            close_connection(conn, fmt::format("sending HELLO_ACK failed: {}", status_text(status)),
-                             CloseKind::ERROR);
-            return;
-          }
-        }
-        established(conn, *peer_max);
-        return;
-      }
-      case MessageType::BYE:
-        close_connection(conn, "peer closed the connection", CloseKind::PEER);
-        return;
+    if (message.type == MessageType::BYE) {
+      close_connection(conn, "peer closed the connection", CloseKind::PEER);
+      return;
     }
-  }
-
-  void established(const std::shared_ptr<Connection>& conn, std::uint64_t peer_max) {
-    // Closed by the application during set-up: the close reports it.
-    if (conn->close_requested.load()) return;
-    {
-      const std::lock_guard lock{conn->mutex};
-      conn->peer_max = peer_max;
-      conn->state = State::OPEN;
+    if (message.type == MessageType::READY) {
+      protocol_error_now(conn, "a second READY");
+      return;
     }
-    m_notifier.established(conn->remote, capabilities(*conn));
+    m_notifier.data(conn->remote, std::span<const std::uint8_t>{message.data, message.length});
   }
 
   // Gives back what a message holds (UCX data, a pool buffer, heap memory).
@@ -1472,7 +1912,8 @@ class Backend : public std::enable_shared_from_this<Backend> {
   }
 
   // The application closed `conn`: on the loop thread the close starts at once (no send is
-  // accepted from now on); from another thread it is posted to the loop.
+  // accepted from now on); from another thread it is posted to the loop. The closed
+  // callback always comes from the loop, never from inside this call.
   void close_requested(const std::shared_ptr<Connection>& conn, std::string_view reason) {
     if (m_loop->in_loop_thread()) {
       close_connection(conn, reason, CloseKind::LOCAL);
@@ -1482,13 +1923,13 @@ class Backend : public std::enable_shared_from_this<Backend> {
   }
 
   // Closing has three steps, each waiting for the one before:
-  //  1. flush: a local or peer close of an open connection sends what is queued (for at
-  //     most close_timeout); after an error, or during set-up, nothing is flushed;
-  //  2. the endpoint closes once no rendezvous receive is in flight on it (or
-  //     close_timeout passed): gracefully after a complete flush (a forced close can lose
-  //     data that UCX reported sent), by force otherwise;
-  //  3. the application hears of it once UCX holds no send request of the connection;
-  //     the connection is freed when the endpoint's close has completed as well.
+  //  1. a local or peer close of an open connection waits for its sends to complete (for at
+  //     most close_timeout); after an error, or during set-up, it does not wait;
+  //  2. the endpoint is released: kept for reuse after a clean close, closed by force
+  //     otherwise (UCX then cancels what it still holds);
+  //  3. the application hears of it once UCX holds no send request of the connection (and
+  //     every send that completed at once was reported), from the loop; the connection is
+  //     freed once no rendezvous receive is in flight on it.
   void close_connection(const std::shared_ptr<Connection>& conn, std::string_view reason,
                         CloseKind kind) {
     if (m_shut_down) return;
@@ -1512,98 +1953,92 @@ class Backend : public std::enable_shared_from_this<Backend> {
       if (slot.stage != Incoming::Stage::RECEIVING) release(*conn, slot);
       slot.stage = Incoming::Stage::DROPPED;
     }
-    conn->force_close = kind == CloseKind::ERROR || previous != State::OPEN;
     if (kind == CloseKind::LOCAL && previous == State::OPEN) {
+      // BYE ends the stream on UCX; CLOSE on the control channel says how many messages
+      // to expect, which also covers a BYE that could not be sent.
       const auto bye = send_control(*conn, MessageType::BYE);
       if (bye != UCS_OK) {
         NETIO3_DEBUG("ucx: connection with {}: BYE not sent: {}", conn->remote, status_text(bye));
       }
+      std::uint64_t sent = 0;
+      {
+        const std::lock_guard lock{conn->mutex};
+        sent = conn->tx_seq;
+      }
+      if (conn->control.valid() && conn->control_out.empty() &&
+          !detail::send_now(conn->control.get(), encode_close(sent))) {
+        drop_control(*conn);
+      }
     }
-    std::weak_ptr<Backend> weak = weak_from_this();
-    std::weak_ptr<Connection> weak_conn = conn;
-    conn->close_timer = m_loop->create_timer([weak, weak_conn] {
-      auto self = weak.lock();
-      auto c = weak_conn.lock();
-      if (self && c && !self->m_shut_down) self->close_timed_out(c);
-    });
-    conn->close_timer.start_once(m_config.limits.close_timeout);
-    NETIO3_DEBUG("ucx: closing connection with {} ({}){}", conn->remote, reason,
-                 conn->force_close ? "" : ", flushing first");
-    if (!conn->force_close) start_flush(conn);
-    advance_close(conn);
-  }
-
-  void start_flush(const std::shared_ptr<Connection>& conn) {
-    ucp_request_param_t param{};
-    param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
-    param.cb.send = &Backend::flush_callback;
-    param.user_data = conn.get();
-    const ucs_status_ptr_t request = ucp_ep_flush_nbx(conn->ep, &param);
-    if (request == nullptr) {
-      conn->flushed = true;
-    } else if (UCS_PTR_IS_ERR(request)) {
-      conn->flushed = true;
-      conn->force_close = true;
+    if (kind == CloseKind::ERROR) {
+      drop_control(*conn);
     } else {
-      conn->flushing = true;
+      linger_control(*conn);
     }
+    NETIO3_DEBUG("ucx: closing connection with {} ({})", conn->remote, reason);
+    m_close_deadlines->track(conn);
+    advance_close(conn);
   }
 
+  // close_timeout passed and UCX still holds sends of the closing connection. While the peer
+  // takes anything on the shared endpoint it is alive and they will go: wait on. If it took
+  // nothing for close_timeout, it is not reading: the endpoint is closed by force.
   void close_timed_out(const std::shared_ptr<Connection>& conn) {
-    if (conn->state != State::CLOSING || conn->ep_close_started) return;
-    NETIO3_INFO(
-        "ucx: connection with {}: {} after {} ms; closing the endpoint by force", conn->remote,
-        conn->flushed ? fmt::format("{} rendezvous receive(s) still in flight", conn->receiving)
-                      : std::string{"sends still in flight"},
-        m_config.limits.close_timeout.count());
-    conn->force_close = true;
-    conn->timed_out = true;
-    advance_close(conn);
+    if (conn->state != State::CLOSING || conn->ep_released) return;
+    std::shared_ptr<Endpoint> endpoint;
+    {
+      const std::lock_guard lock{conn->mutex};
+      endpoint = conn->ep;
+    }
+    if (!endpoint) return;
+    const auto idle = std::chrono::steady_clock::now() - endpoint->last_progress;
+    if (idle < m_config.limits.close_timeout) {
+      NETIO3_DEBUG(
+          "ucx: connection with {}: sends still in flight after {} ms; the peer is "
+          "taking data, waiting on",
+          conn->remote, m_config.limits.close_timeout.count());
+      m_close_deadlines->track(conn);
+      return;
+    }
+    const auto why =
+        fmt::format("the peer took no data for {} ms",
+                    std::chrono::duration_cast<std::chrono::milliseconds>(idle).count());
+    NETIO3_WARN(
+        "ucx: connection with {}: {}; closing the endpoint to it by force, which ends "
+        "every connection with that peer",
+        conn->remote, why);
+    close_endpoint(endpoint, why);
+  }
+
+  void peer_close_timed_out(const std::shared_ptr<Connection>& conn) {
+    if ((conn->state != State::GREETING && conn->state != State::OPEN) || !conn->peer_total) {
+      return;
+    }
+    const auto reason =
+        fmt::format("the peer closed after sending {} messages, {} of them arrived within {} ms",
+                    *conn->peer_total, conn->rx_next, m_config.limits.close_timeout.count());
+    NETIO3_WARN("ucx: connection with {}: {}", conn->remote, reason);
+    close_connection(conn, reason, CloseKind::ERROR);
   }
 
   void advance_close(const std::shared_ptr<Connection>& conn) {
-    if (conn->state == State::CLOSING && !conn->ep_close_started) {
-      const bool flush_over =
-          conn->flushed || (conn->force_close && !conn->flushing) || conn->timed_out;
-      if (!flush_over) return;
-      if (conn->receiving > 0 && !conn->timed_out) return;  // finish_receive comes back here
-      // UCX 1.13's tcp sockcm asserts (tcp_sockcm_ep.c:416, async.c:643) or crashes when an
-      // endpoint is closed while its connection is still being set up. A connection closed
-      // during set-up is therefore closed once the peer's first message or an error shows
-      // that the set-up is over, or after close_timeout; on_message and on_ep_error come
-      // back here.
-      if (!conn->wired && !conn->timed_out) return;
+    if (conn->state == State::CLOSING && !conn->ep_released) {
+      bool sending = false;
       {
-        // Under the lock every post() holds: no thread sends on the endpoint once its close
-        // starts (an application thread may be posting the HELLO of open_active_endpoint
-        // while an endpoint error closes the connection here).
         const std::lock_guard lock{conn->mutex};
-        conn->ep_close_started = true;
+        sending = conn->requests > 0 || conn->completions_queued > 0;
       }
-      forget_endpoint(*conn);
-      ucp_request_param_t param{};
-      param.op_attr_mask =
-          UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
-      param.cb.send = &Backend::close_callback;
-      param.user_data = conn.get();
-      param.flags = conn->force_close ? UCP_EP_CLOSE_FLAG_FORCE : 0;
-      NETIO3_DEBUG("ucx: closing the endpoint to {}{}", conn->remote,
-                   conn->force_close ? " by force" : "");
-      const ucs_status_ptr_t request = ucp_ep_close_nbx(conn->ep, &param);
-      if (request == nullptr || UCS_PTR_IS_ERR(request)) {
-        push_event(Event{.kind = Event::Kind::CLOSE_DONE,
-                         .conn_id = conn->id,
-                         .status = request == nullptr ? UCS_OK : UCS_PTR_STATUS(request)});
-      }
+      if (sending) return;  // on_send_done comes back here
+      release_endpoint(*conn);
     }
     maybe_finish(conn);
   }
 
-  // Reports the close once the endpoint's close has started, UCX holds no send request of
-  // the connection and every send that completed at once was reported; frees it once the
-  // endpoint is closed and no receive is in flight.
+  // Reports the close once the endpoint is released, UCX holds no send request of the
+  // connection and every send that completed at once was reported; frees it once no
+  // receive is in flight.
   void maybe_finish(const std::shared_ptr<Connection>& conn) {
-    if (!conn->ep_close_started) return;
+    if (!conn->ep_released) return;
     if (!conn->reported) {
       std::vector<std::uint64_t> keys;
       {
@@ -1613,12 +2048,11 @@ class Backend : public std::enable_shared_from_this<Backend> {
         keys = detail::cancel_all_sends(conn->ledger, conn->send_pool);
       }
       conn->reported = true;
-      conn->close_timer.close();
       m_notifier.connection_ended(conn->remote, conn->was_open, conn->active(),
                                   conn->close_kind == CloseKind::LOCAL, keys, conn->close_reason);
       if (m_shut_down) return;
     }
-    if (!conn->ep_closed || conn->receiving > 0) return;
+    if (conn->receiving > 0) return;
     forget(*conn);
     m_closing.erase(conn->id);
     for (auto& slot : conn->inbox) release(*conn, slot);
@@ -1628,14 +2062,14 @@ class Backend : public std::enable_shared_from_this<Backend> {
     unmap_staging(*conn);
   }
 
- public:
-  // Connections and listeners find their backend through this (callback arguments).
   const NetworkConfig m_config;
   const std::shared_ptr<BaseEventLoop> m_loop;
   const detail::Notifier m_notifier;
   const detail::ThreadModel m_thread;
   const TransportChoice m_transports;
-  std::unique_ptr<Worker> m_worker;
+  std::mutex m_worker_mutex;         // ensure_worker
+  std::unique_ptr<Worker> m_worker;  // set once, before anything that uses it is registered
+  std::string m_devices_interface;   // the interface UCX was restricted to, if any
   std::unique_ptr<detail::BufferPool> m_shared_send_pool;
   MemoryMap m_shared_send_map;
   std::shared_ptr<RecvPool> m_global_recv;
@@ -1644,17 +2078,23 @@ class Backend : public std::enable_shared_from_this<Backend> {
 
   Registry m_registry{NAME};
   std::optional<detail::SetupDeadlines<Connection>> m_deadlines;
-  std::optional<detail::ClosedListeners<Listener>> m_closed_listeners;
+  std::optional<detail::SetupDeadlines<Connection>> m_greeting_deadlines;
+  std::optional<detail::SetupDeadlines<Connection>> m_close_deadlines;
+  std::optional<detail::SetupDeadlines<Connection>> m_peer_close_deadlines;
+  std::optional<detail::LingeringSockets> m_lingering;
 
   detail::OptionalMutex m_ids_mutex;
   std::unordered_map<std::uint64_t, std::weak_ptr<Connection>> m_conn_ids;
-  std::unordered_map<ucp_ep_h, std::weak_ptr<Connection>> m_by_ep;
+  std::unordered_map<std::uint64_t, std::weak_ptr<Connection>> m_by_token;
+  std::mt19937_64 m_rng;  // under m_ids_mutex
 
   detail::OptionalMutex m_events_mutex;
   std::vector<Event> m_events;
   std::vector<Event> m_spare_events;  // loop thread only (dispatch)
   // Loop thread only.
   std::unordered_map<std::uint64_t, std::shared_ptr<Connection>> m_closing;
+  std::unordered_map<std::uint64_t, std::shared_ptr<Endpoint>> m_endpoints;
+  std::unordered_map<std::string, std::shared_ptr<Endpoint>> m_peers;  // by worker address
   std::vector<std::shared_ptr<Connection>> m_dirty;
   std::vector<std::shared_ptr<Connection>> m_spare_dirty;  // loop thread only (dispatch)
   bool m_progressing{false};

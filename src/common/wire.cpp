@@ -1,10 +1,10 @@
-#include "backends/asyncmsg/wire.hpp"
+#include "common/wire.hpp"
 
 #include <algorithm>
 
 #include <fmt/format.h>
 
-namespace netio3::asyncmsg {
+namespace netio3::detail {
 namespace {
 // A partial body keeps at least this much room so that small messages split across two
 // reads do not reallocate byte by byte.
@@ -14,6 +14,17 @@ constexpr std::size_t MIN_BODY_CAP = 4096;
 constexpr std::size_t KEEP_BODY_CAP = 64 * 1024;
 // Step by which a direct read may extend a partial message beyond what arrived so far.
 constexpr std::size_t DIRECT_STEP = std::size_t{1} << 20U;
+// A major version of another netio3 protocol: the peer is a backend of another type.
+std::string other_protocol_hint(std::uint16_t major) {
+  switch (major) {
+    case ASYNCMSG_MAJOR:
+      return ": the peer is a netio3 asyncmsg backend";
+    case UCX_CONTROL_MAJOR:
+      return ": the peer is a netio3 ucx backend";
+    default:
+      return {};
+  }
+}
 }  // namespace
 
 std::array<std::uint8_t, GREETING_SIZE> encode_greeting(const Greeting& greeting) {
@@ -30,17 +41,18 @@ bool FrameDecoder::parse_greeting(const std::uint8_t* p, Greeting& out) {
   if (!std::equal(MAGIC.begin(), MAGIC.end(), p)) {
     m_error = fmt::format(
         "bad greeting: expected magic 4e494f33 (\"NIO3\"), got {:02x}{:02x}{:02x}{:02x}; the peer "
-        "does not speak the netio3 asyncmsg protocol",
-        p[0], p[1], p[2], p[3]);
+        "does not speak the netio3 {} protocol",
+        p[0], p[1], p[2], p[3], m_protocol.name);
     return false;
   }
   out.major = load_le16(p + 4);
   out.minor = load_le16(p + 6);
   out.max_message_size = load_le32(p + 8);
   out.flags = load_le32(p + 12);
-  if (out.major != VERSION_MAJOR) {
-    m_error = fmt::format("unsupported protocol version {}.{} (this side speaks {}.{})", out.major,
-                          out.minor, VERSION_MAJOR, VERSION_MINOR);
+  if (out.major != m_protocol.major) {
+    m_error = fmt::format("unsupported protocol version {}.{} (this side speaks {} {}.{}){}",
+                          out.major, out.minor, m_protocol.name, m_protocol.major, m_protocol.minor,
+                          other_protocol_hint(out.major));
     return false;
   }
   if (out.max_message_size == 0) {
@@ -52,10 +64,11 @@ bool FrameDecoder::parse_greeting(const std::uint8_t* p, Greeting& out) {
 
 bool FrameDecoder::parse_header(const std::uint8_t* p, std::size_t& length) {
   const std::uint32_t len = load_le32(p);
-  if (p[4] != FRAME_DATA) {
+  if (p[4] >= 32 || (m_protocol.frame_types & (1U << p[4])) == 0) {
     m_error = fmt::format("unknown frame type {} (length field {})", p[4], len);
     return false;
   }
+  m_type = p[4];
   if ((p[5] | p[6] | p[7]) != 0) {
     m_error = fmt::format("reserved frame header bytes are not zero ({:02x}{:02x}{:02x})", p[5],
                           p[6], p[7]);
@@ -98,4 +111,4 @@ std::span<std::uint8_t> FrameDecoder::direct_target() {
   return {m_body.get() + m_body_have, m_body_cap - m_body_have};
 }
 
-}  // namespace netio3::asyncmsg
+}  // namespace netio3::detail

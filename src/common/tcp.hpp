@@ -1,0 +1,144 @@
+#pragma once
+
+// Plain TCP sockets on the shared loop, for the backends that open their own (the UCX
+// backend's control channel; asyncmsg uses Asio for the same steps): listening and
+// connecting without blocking, accepting under descriptor pressure, keepalive settings, and
+// closing without losing what the peer still has to read.
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <list>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+
+#include <netio3/event_loop.hpp>
+#include <netio3/types.hpp>
+
+namespace netio3::detail {
+
+std::string errno_text(int err);
+
+// A socket descriptor, closed on destruction.
+class Socket {
+ public:
+  Socket() = default;
+  explicit Socket(int fd) noexcept : m_fd{fd} {}
+  Socket(const Socket&) = delete;
+  Socket& operator=(const Socket&) = delete;
+  Socket(Socket&& other) noexcept : m_fd{other.release()} {}
+  Socket& operator=(Socket&& other) noexcept;
+  ~Socket() { close(); }
+  [[nodiscard]] int get() const noexcept { return m_fd; }
+  [[nodiscard]] bool valid() const noexcept { return m_fd >= 0; }
+  int release() noexcept;
+  void close() noexcept;
+
+ private:
+  int m_fd{-1};
+};
+
+// A non-blocking listening socket bound to `address` (port 0: the OS picks one), with
+// SO_REUSEADDR. Returns the socket and the address it listens on; throws std::runtime_error
+// with the failing step.
+std::pair<Socket, EndPointAddress> listen_tcp(const EndPointAddress& address);
+
+// Starts a non-blocking connect to `address` from a port of its own: the socket is bound to
+// port 0 first, so the kernel gives it a source port that no other socket uses (without it,
+// two connections of one process to two ports of one server may share a source port, and the
+// server would see two connections from one address). `error` is 0 when the connect is in
+// progress or done, else the errno of a connect that failed at once. Throws
+// std::runtime_error when no socket can be made.
+struct ConnectStart {
+  Socket socket;
+  int error{0};
+};
+ConnectStart connect_tcp(const EndPointAddress& address);
+
+// The result of a non-blocking connect once the socket is writable: 0 or the errno.
+int connect_result(int fd);
+
+// TCP_NODELAY, and limits.peer_timeout as TCP_USER_TIMEOUT plus keepalive probes. Returns an
+// error text, empty if all were set.
+std::string configure_stream(int fd, std::chrono::milliseconds peer_timeout);
+
+// The addresses of a connected socket; nullopt on error.
+std::optional<EndPointAddress> local_address(int fd);
+std::optional<EndPointAddress> peer_address(int fd);
+
+// Reads whatever is pending (so that close() does not turn into a RST that could destroy
+// data still queued towards the peer) and closes.
+void drain_and_close(Socket& socket) noexcept;
+
+// Sends all of `bytes` without blocking; false if the socket would block or failed.
+bool send_now(int fd, std::span<const std::uint8_t> bytes) noexcept;
+
+// Network interfaces. The name of the interface that holds the numeric IP `ip`, or that
+// the kernel would send from towards `ip` (its route); nullopt if there is none or `ip` is
+// a wildcard address.
+std::optional<std::string> interface_holding(const std::string& ip);
+std::optional<std::string> interface_towards(const std::string& ip);
+
+// Descriptor pressure. A process that runs out of descriptors cannot accept, connect, or
+// create a timer, and UCX's own listener gives up for good when its accept fails (docs/
+// ucx.md); so a listener stops accepting while the descriptor table is nearly full.
+//
+// Raises the soft RLIMIT_NOFILE to the hard limit, once per process (as Go's runtime does).
+// Returns the soft limit now in force.
+std::size_t raise_descriptor_limit();
+// True when `fd`, the descriptor accept() just returned, leaves fewer than the reserve free:
+// the kernel gives the lowest free number, so every number below `fd` is in use.
+bool descriptor_table_nearly_full(int fd);
+// Descriptors kept free under the soft limit (for the transports and the rest of the
+// process): 1/16 of the limit, at least 16.
+std::size_t descriptor_reserve(std::size_t soft_limit);
+
+// A listener's accept pauses: one warning when they begin (with the reason), debug lines
+// while they go on, one line when accepting works again. Loop thread only.
+class AcceptPauses {
+ public:
+  static constexpr std::chrono::milliseconds BACKOFF{100};
+  AcceptPauses(std::string_view backend, EndPointAddress listener)
+      : m_backend{backend}, m_listener{std::move(listener)} {}
+  // Accepting stops for BACKOFF because of `why`.
+  void paused(std::string_view why);
+  // A connection was accepted.
+  void accepted();
+
+ private:
+  std::string_view m_backend;
+  EndPointAddress m_listener;
+  std::optional<std::chrono::steady_clock::time_point> m_since;
+  std::size_t m_pauses{0};
+};
+
+// Sockets of closed connections that wait for the peer to finish: shutdown(SHUT_WR) was
+// called (our FIN is out), and what the peer still sends is read and discarded until it
+// closes too or `timeout` passes. Without this, unread input would make close() send a RST
+// that can destroy data still queued towards the peer. Loop thread only.
+class LingeringSockets {
+ public:
+  LingeringSockets(BaseEventLoop& loop, std::chrono::milliseconds timeout);
+  LingeringSockets(const LingeringSockets&) = delete;
+  LingeringSockets& operator=(const LingeringSockets&) = delete;
+  LingeringSockets(LingeringSockets&&) = delete;
+  LingeringSockets& operator=(LingeringSockets&&) = delete;
+  ~LingeringSockets();
+
+  // Half-closes `socket` and keeps it until the peer closes; a socket that cannot be
+  // half-closed is closed at once.
+  void add(Socket socket);
+  // Closes them all (backend shutdown).
+  void close_all() noexcept;
+  [[nodiscard]] std::size_t size() const noexcept;
+
+ private:
+  struct State;
+  std::shared_ptr<State> m_state;
+};
+
+}  // namespace netio3::detail

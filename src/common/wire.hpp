@@ -1,0 +1,266 @@
+#pragma once
+
+// netio3's TCP wire framing, shared by the asyncmsg data stream (docs/asyncmsg.md) and the
+// UCX backend's control channel (docs/ucx.md).
+//
+// Each direction of a TCP connection starts with a 16-byte greeting, then carries frames:
+//
+//   greeting  0..3  magic "NIO3"
+//             4..5  major version (little endian) - it names the protocol, and a
+//                   different major is refused
+//             6..7  minor version (little endian) - compatible additions
+//             8..11 largest message the sender of the greeting accepts (little endian)
+//            12..15 flags, 0 in version 1.0
+//   frame     0..3  message length L (little endian)
+//             4     frame type (which ones a protocol accepts: FrameProtocol)
+//             5..7  reserved, 0
+//             8..   L bytes of message
+//
+// Major versions are allocated across netio3's protocols, so that a peer of the wrong
+// backend is refused with a reason that says so: 1 = asyncmsg, 3 = the UCX backend's
+// control channel (UCX protocol versions 1 and 2 had none).
+//
+// FrameDecoder turns a byte stream into messages without ever allocating according to a
+// length it has not checked against the configured maximum, and grows a partial message
+// only as its bytes actually arrive.
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "common/byte_order.hpp"
+
+namespace netio3::detail {
+
+inline constexpr std::array<std::uint8_t, 4> MAGIC{'N', 'I', 'O', '3'};
+inline constexpr std::uint16_t ASYNCMSG_MAJOR = 1;
+inline constexpr std::uint16_t UCX_CONTROL_MAJOR = 3;
+inline constexpr std::size_t GREETING_SIZE = 16;
+inline constexpr std::size_t FRAME_HEADER_SIZE = 8;
+inline constexpr std::uint8_t FRAME_DATA = 1;  // asyncmsg's only frame type
+// Lengths travel as 32-bit numbers.
+inline constexpr std::size_t WIRE_MAX_MESSAGE_SIZE = 0xFFFF'FFFFU;
+
+// What a decoder accepts: the major version that names the protocol, and its frame types.
+struct FrameProtocol {
+  std::string_view name;
+  std::uint16_t major{};
+  std::uint16_t minor{};
+  std::uint32_t frame_types{};  // bit t set: frame type t is accepted (t < 32)
+};
+inline constexpr FrameProtocol ASYNCMSG_PROTOCOL{"asyncmsg", ASYNCMSG_MAJOR, 0, 1U << FRAME_DATA};
+
+// The default major is asyncmsg's, whose greeting this layout was first.
+struct Greeting {
+  std::uint16_t major{ASYNCMSG_MAJOR};
+  std::uint16_t minor{0};
+  std::uint32_t max_message_size{};
+  std::uint32_t flags{};
+};
+
+[[nodiscard]] std::array<std::uint8_t, GREETING_SIZE> encode_greeting(const Greeting& greeting);
+
+inline void encode_frame_header(std::uint8_t* out, std::uint32_t length,
+                                std::uint8_t type = FRAME_DATA) noexcept {
+  store_le32(out, length);
+  out[4] = type;
+  out[5] = 0;
+  out[6] = 0;
+  out[7] = 0;
+}
+
+class FrameDecoder {
+ public:
+  // PAUSED: a message body must be admitted (see feed) and was not; the decoder keeps the
+  // rest of the input and waits for resume().
+  enum class Status { OK, STOPPED, ERROR, PAUSED };
+
+  explicit FrameDecoder(std::size_t max_message_size,
+                        const FrameProtocol& protocol = ASYNCMSG_PROTOCOL) noexcept
+      : m_protocol{protocol},
+        m_max_message_size{max_message_size < WIRE_MAX_MESSAGE_SIZE ? max_message_size
+                                                                    : WIRE_MAX_MESSAGE_SIZE} {}
+
+  // Consumes all of `bytes` (unless a callback stops it or the input is malformed).
+  // on_greeting(const Greeting&) -> bool and on_message(std::span<const std::uint8_t>) ->
+  // bool are called for each complete item; returning false stops decoding (the rest of
+  // the input is dropped: the connection is going away). Messages lying wholly inside
+  // `bytes` are handed out in place, without a copy.
+  template <typename OnGreeting, typename OnMessage>
+  Status feed(std::span<const std::uint8_t> bytes, OnGreeting&& on_greeting,
+              OnMessage&& on_message) {
+    return feed(bytes, on_greeting, on_message, [](std::size_t) { return true; });
+  }
+  // As above; admit(std::size_t length) -> bool is asked before the decoder starts holding
+  // a message body that is not wholly inside `bytes` (memory it will hold until the message
+  // is complete). On false the decoder copies the rest of `bytes` (at most one read) and
+  // returns PAUSED; resume() asks again and goes on with the kept bytes.
+  template <typename OnGreeting, typename OnMessage, typename Admit>
+  Status feed(std::span<const std::uint8_t> bytes, OnGreeting&& on_greeting, OnMessage&& on_message,
+              Admit&& admit);
+  template <typename OnGreeting, typename OnMessage, typename Admit>
+  Status resume(OnGreeting&& on_greeting, OnMessage&& on_message, Admit&& admit);
+  [[nodiscard]] bool paused() const noexcept { return m_stage == Stage::WAIT; }
+  // A message body is being assembled (the memory admitted for it is in use).
+  [[nodiscard]] bool in_body() const noexcept { return m_stage == Stage::BODY; }
+
+  // While a large message is being assembled, the space the next read may fill directly
+  // (never past the end of that message); empty otherwise. Follow a read into it with
+  // commit_direct().
+  [[nodiscard]] std::span<std::uint8_t> direct_target();
+  template <typename OnMessage>
+  Status commit_direct(std::size_t n, OnMessage&& on_message);
+
+  [[nodiscard]] const std::string& error() const noexcept { return m_error; }
+  // The type of the frame whose message on_message is being given (valid during the call).
+  [[nodiscard]] std::uint8_t frame_type() const noexcept { return m_type; }
+  [[nodiscard]] bool greeted() const noexcept { return m_stage != Stage::GREETING; }
+  // True while a greeting, frame header or message has been started but not completed.
+  // True between frames: the next byte is the first of a frame header.
+  [[nodiscard]] bool at_frame_start() const noexcept {
+    return m_stage == Stage::HEADER && m_small_have == 0;
+  }
+  [[nodiscard]] bool mid_item() const noexcept {
+    return m_small_have > 0 || m_stage == Stage::BODY || m_stage == Stage::WAIT;
+  }
+  // Bytes held for an incomplete message (for memory accounting and tests).
+  [[nodiscard]] std::size_t buffered_capacity() const noexcept { return m_body_cap; }
+  [[nodiscard]] std::size_t max_message_size() const noexcept { return m_max_message_size; }
+
+  // Minimum remaining size of a message for direct reads to be worth it.
+  static constexpr std::size_t DIRECT_MIN = std::size_t{64} << 10U;
+
+ private:
+  enum class Stage { GREETING, HEADER, BODY, WAIT };
+
+  // Validates a complete greeting / frame header; false sets m_error.
+  bool parse_greeting(const std::uint8_t* p, Greeting& out);
+  bool parse_header(const std::uint8_t* p, std::size_t& length);  // sets m_type
+  void grow_body(std::size_t wanted);
+  void release_body() noexcept;
+
+  const FrameProtocol m_protocol;
+  std::size_t m_max_message_size;
+  Stage m_stage{Stage::GREETING};
+  std::uint8_t m_type{0};
+  // Incomplete greeting or frame header.
+  std::array<std::uint8_t, GREETING_SIZE> m_small{};
+  std::size_t m_small_have{0};
+  // Incomplete message body.
+  std::unique_ptr<std::uint8_t[]> m_body;
+  std::size_t m_body_cap{0};
+  std::size_t m_body_have{0};
+  std::size_t m_body_len{0};
+  std::vector<std::uint8_t> m_pending;  // WAIT: input after the header, kept for resume()
+  std::string m_error;
+};
+
+template <typename OnGreeting, typename OnMessage, typename Admit>
+FrameDecoder::Status FrameDecoder::feed(std::span<const std::uint8_t> bytes,
+                                        OnGreeting&& on_greeting, OnMessage&& on_message,
+                                        Admit&& admit) {
+  const std::uint8_t* p = bytes.data();
+  std::size_t left = bytes.size();
+  while (left > 0) {
+    switch (m_stage) {
+      case Stage::GREETING: {
+        const std::size_t take = std::min(left, GREETING_SIZE - m_small_have);
+        std::memcpy(m_small.data() + m_small_have, p, take);
+        m_small_have += take;
+        p += take;
+        left -= take;
+        if (m_small_have < GREETING_SIZE) return Status::OK;
+        m_small_have = 0;
+        Greeting greeting;
+        if (!parse_greeting(m_small.data(), greeting)) return Status::ERROR;
+        m_stage = Stage::HEADER;
+        if (!on_greeting(greeting)) return Status::STOPPED;
+        break;
+      }
+      case Stage::HEADER: {
+        std::size_t length = 0;
+        if (m_small_have == 0 && left >= FRAME_HEADER_SIZE) {
+          // Fast path: the header and perhaps the whole message are in `bytes`.
+          if (!parse_header(p, length)) return Status::ERROR;
+          p += FRAME_HEADER_SIZE;
+          left -= FRAME_HEADER_SIZE;
+          if (left >= length) {
+            const std::span<const std::uint8_t> message{p, length};
+            p += length;
+            left -= length;
+            if (!on_message(message)) return Status::STOPPED;
+            break;
+          }
+        } else {
+          const std::size_t take = std::min(left, FRAME_HEADER_SIZE - m_small_have);
+          std::memcpy(m_small.data() + m_small_have, p, take);
+          m_small_have += take;
+          p += take;
+          left -= take;
+          if (m_small_have < FRAME_HEADER_SIZE) return Status::OK;
+          m_small_have = 0;
+          if (!parse_header(m_small.data(), length)) return Status::ERROR;
+          if (length == 0) {
+            if (!on_message(std::span<const std::uint8_t>{})) return Status::STOPPED;
+            break;
+          }
+        }
+        m_body_len = length;
+        m_body_have = 0;
+        if (!admit(length)) {
+          m_stage = Stage::WAIT;
+          m_pending.assign(p, p + left);
+          return Status::PAUSED;
+        }
+        m_stage = Stage::BODY;
+        break;
+      }
+      case Stage::WAIT:
+        return Status::PAUSED;  // resume() first
+      case Stage::BODY: {
+        const std::size_t take = std::min(left, m_body_len - m_body_have);
+        grow_body(m_body_have + take);
+        std::memcpy(m_body.get() + m_body_have, p, take);
+        m_body_have += take;
+        p += take;
+        left -= take;
+        if (m_body_have < m_body_len) return Status::OK;
+        m_stage = Stage::HEADER;
+        const bool go_on = on_message(std::span<const std::uint8_t>{m_body.get(), m_body_len});
+        release_body();
+        if (!go_on) return Status::STOPPED;
+        break;
+      }
+    }
+  }
+  return Status::OK;
+}
+
+template <typename OnGreeting, typename OnMessage, typename Admit>
+FrameDecoder::Status FrameDecoder::resume(OnGreeting&& on_greeting, OnMessage&& on_message,
+                                          Admit&& admit) {
+  if (m_stage != Stage::WAIT) return Status::OK;
+  if (!admit(m_body_len)) return Status::PAUSED;
+  m_stage = Stage::BODY;
+  const std::vector<std::uint8_t> pending = std::exchange(m_pending, {});
+  return feed(pending, on_greeting, on_message, admit);
+}
+
+template <typename OnMessage>
+FrameDecoder::Status FrameDecoder::commit_direct(std::size_t n, OnMessage&& on_message) {
+  m_body_have += n;
+  if (m_body_have < m_body_len) return Status::OK;
+  m_stage = Stage::HEADER;
+  const bool go_on = on_message(std::span<const std::uint8_t>{m_body.get(), m_body_len});
+  release_body();
+  return go_on ? Status::OK : Status::STOPPED;
+}
+
+}  // namespace netio3::detail
