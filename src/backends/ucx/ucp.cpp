@@ -33,20 +33,29 @@ TransportChoice choose_transports(NetworkMode mode) {
 
 namespace {
 
-// Whether a UCX_TLS value may select the tcp transport ("" and "all" select every one, a
-// leading '^' excludes the ones listed).
-bool may_use_tcp(std::string_view tls) {
-  if (tls.starts_with('^')) {
-    // All but the listed ones: tcp unless it is listed.
-    for (std::string_view rest = tls.substr(1); !rest.empty();) {
+// Whether a UCX_TLS value may select one of the transports `names` (the transport and the
+// aliases that include it). "" and "all" select every one, a leading '^' excludes the ones
+// listed.
+bool may_use(std::string_view tls, std::initializer_list<std::string_view> names) {
+  const auto listed = [](std::string_view list, auto&& wanted) {
+    for (std::string_view rest = list; !rest.empty();) {
       const auto comma = rest.find(',');
-      if (rest.substr(0, comma) == "tcp") return false;
+      if (wanted(rest.substr(0, comma))) return true;
       rest = comma == std::string_view::npos ? std::string_view{} : rest.substr(comma + 1);
     }
-    return true;
-  }
-  return tls.empty() || tls.find("all") != std::string_view::npos ||
-         tls.find("tcp") != std::string_view::npos;
+    return false;
+  };
+  const auto named = [&](std::string_view item) {
+    return std::find(names.begin(), names.end(), item) != names.end();
+  };
+  if (tls.starts_with('^')) return !listed(tls.substr(1), named);
+  return tls.empty() || listed(tls, named) ||
+         listed(tls, [](std::string_view item) { return item == "all"; });
+}
+
+bool env_set(const char* name) {
+  const char* env = std::getenv(name);
+  return env != nullptr && *env != '\0';
 }
 
 // UCX 1.13 allows UCX_ASYNC_MAX_EVENTS (default 1024) handlers on its async thread in one
@@ -106,9 +115,16 @@ Worker::Worker(const TransportChoice& transports, ThreadSafetyModel model,
   // instead of PUT. UCX_TCP_PUT_ENABLE in the environment still decides. The key is the tcp
   // transport's own (UCX hands keys it does not know to every transport it opens, and warns
   // if none takes it: so only where tcp may be among them).
-  if (const char* env = std::getenv("UCX_TCP_PUT_ENABLE");
-      (env == nullptr || *env == '\0') && may_use_tcp(transports.tls)) {
+  if (!env_set("UCX_TCP_PUT_ENABLE") && may_use(transports.tls, {"tcp"})) {
     check("ucp_config_modify(PUT_ENABLE)", ucp_config_modify(config.get(), "PUT_ENABLE", "n"));
+  }
+  // Endpoints are made with peer error handling, and UCX 1.13's shared-memory transports
+  // (posix, sysv) offer it only when asked to: without this, processes of one host talk over
+  // tcp. The key is theirs alone; UCX_{POSIX,SYSV}_ERROR_HANDLING in the environment decide.
+  if (!env_set("UCX_POSIX_ERROR_HANDLING") && !env_set("UCX_SYSV_ERROR_HANDLING") &&
+      may_use(transports.tls, {"posix", "sysv", "mm", "sm", "shm"})) {
+    check("ucp_config_modify(MM_ERROR_HANDLING)",
+          ucp_config_modify(config.get(), "MM_ERROR_HANDLING", "y"));
   }
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
