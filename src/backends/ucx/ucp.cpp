@@ -1,11 +1,15 @@
 #include "backends/ucx/ucp.hpp"
 
 #include <algorithm>
+#include <array>
+#include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <mutex>
 #include <string>
 #include <string_view>
 #include <sys/resource.h>
+#include <ucs/algorithm/crc.h>
 #include <ucs/config/global_opts.h>
 #include <utility>
 
@@ -194,6 +198,191 @@ void MemoryMap::reset() noexcept {
   m_memh = nullptr;
 }
 
+namespace {
+
+// A transport's attributes in a worker address, as UCX's lane selection reads them: its
+// scores must come out as positive numbers (a NaN made UCX assert, select.c:294).
+std::string check_iface_attr(std::span<const std::uint8_t> attr, bool v2) {
+  if (v2) {
+    // overhead, bandwidth, latency: 8-bit floats whose exponent 15 is NaN; then priority,
+    // segment size (16 bits), flags.
+    for (std::size_t i = 0; i < 3; ++i) {
+      if ((attr[i] & 0x0FU) == 0x0FU) return "a performance figure that is not a number";
+    }
+    if ((attr[4] | attr[5]) == 0) return "a segment size of 0";
+    return {};
+  }
+  // overhead, bandwidth, latency overhead: floats (a negative bandwidth is a shared one).
+  for (std::size_t i = 0; i < 3; ++i) {
+    float value = 0;
+    std::memcpy(&value, attr.data() + 4 * i, sizeof(value));
+    if (!std::isfinite(value) || (i != 1 && value < 0) || (i == 1 && value == 0)) {
+      return "a performance figure out of range";
+    }
+  }
+  return {};
+}
+
+std::string walk_worker_address(std::span<const std::uint8_t> address, WorkerAddressInfo& info);
+
+}  // namespace
+
+WorkerAddressInfo parse_worker_address(std::span<const std::uint8_t> address) {
+  WorkerAddressInfo info;
+  info.error = walk_worker_address(address, info);
+  return info;
+}
+
+namespace {
+std::string walk_worker_address(std::span<const std::uint8_t> address, WorkerAddressInfo& info) {
+  // Layout and limits of UCX 1.13 (src/ucp/wireup/address.c, ucp_types.h).
+  constexpr unsigned VERSION_1 = 0;
+  constexpr unsigned VERSION_2 = 1;
+  constexpr std::uint8_t HEADER_DEBUG_INFO = 1U << 0U;
+  constexpr std::uint8_t HEADER_WORKER_UUID = 1U << 1U;
+  constexpr std::uint8_t HEADER_CLIENT_ID = 1U << 2U;
+  constexpr std::uint8_t HEADER_AM_ONLY = 1U << 3U;
+  constexpr std::uint8_t NULL_RESOURCE = 0xFF;
+  constexpr std::uint8_t MD_EMPTY_DEV = 0x80;
+  constexpr std::uint8_t MD_MASK_V1 = 0x1F;
+  constexpr std::uint8_t MD_MASK_V2 = 0x7F;
+  constexpr std::uint8_t FLAG_LAST = 0x80;
+  constexpr std::uint8_t DEVICE_NUM_PATHS = 0x40;
+  constexpr std::uint8_t DEVICE_SYS_DEVICE = 0x20;
+  constexpr std::uint8_t DEVICE_LEN_MASK = 0x1F;
+  constexpr std::uint8_t IFACE_HAS_EP_ADDR = 0x40;
+  constexpr std::uint8_t IFACE_LEN_MASK = 0x3F;
+  constexpr std::size_t TL_NAME_CSUM = 2;
+  constexpr std::size_t IFACE_ATTR_V1 = 16;
+  constexpr std::size_t IFACE_ATTR_V2 = 8;
+  constexpr std::size_t MAX_MDS = 64;
+  constexpr std::size_t MAX_RESOURCES = 128;
+
+  if (const char* unified = std::getenv("UCX_UNIFIED_MODE");
+      unified != nullptr && (*unified == 'y' || *unified == 'Y' || *unified == '1')) {
+    return "UCX_UNIFIED_MODE is set: worker addresses of that mode cannot be checked";
+  }
+  std::size_t pos = 0;
+  const auto need = [&](std::size_t n) {
+    return address.size() - std::min(pos, address.size()) >= n;
+  };
+  const auto byte = [&] { return address[pos++]; };
+  if (!need(1)) return "an empty worker address";
+  const std::uint8_t header = byte();
+  const unsigned version = header & 0x0FU;
+  std::uint8_t flags = 0;
+  if (version == VERSION_1) {
+    flags = static_cast<std::uint8_t>(header >> 4U);
+  } else if (version == VERSION_2) {
+    if (!need(1)) return "a worker address cut short in its header";
+    flags = byte();
+  } else {
+    return fmt::format("a worker address of format version {} (UCX knows 0 and 1)", version);
+  }
+  if ((flags & ~(HEADER_DEBUG_INFO | HEADER_WORKER_UUID | HEADER_CLIENT_ID | HEADER_AM_ONLY)) !=
+      0) {
+    return fmt::format("a worker address with unknown flags {:#x}", flags);
+  }
+  const bool v2 = version == VERSION_2;
+  // An extended byte: the value in the masked bits, or the next byte when they are all set.
+  const auto extended = [&](std::uint8_t mask, std::size_t& value) {
+    value = address[pos++] & mask;
+    if (v2 && value == mask) {
+      if (!need(1)) return false;
+      value = address[pos++];
+    }
+    return true;
+  };
+  if (!v2 || (flags & HEADER_WORKER_UUID) != 0) {
+    if (!need(8)) return "a worker address cut short in its id";
+    info.uuid = detail::load_le64(address.data() + pos);
+    pos += 8;
+  }
+  if ((flags & HEADER_CLIENT_ID) != 0) pos += 8;
+  if ((flags & HEADER_DEBUG_INFO) != 0) {
+    if (!need(1)) return "a worker address cut short before its name";
+    pos += 1 + address[pos];
+  }
+  if (!need(1)) return "a worker address cut short before its devices";
+  if (address[pos] == NULL_RESOURCE) {
+    return pos + 1 == address.size() ? std::string{} : "bytes after an empty worker address";
+  }
+  std::size_t entries = 0;
+  for (bool last_device = false; !last_device;) {
+    if (!need(2)) return "a worker address cut short in a device";
+    const bool empty = (address[pos] & MD_EMPTY_DEV) != 0;
+    std::size_t md_index = 0;
+    if (!extended(v2 ? MD_MASK_V2 : MD_MASK_V1, md_index) || !need(1)) {
+      return "a worker address cut short in a device";
+    }
+    if (md_index >= MAX_MDS) return fmt::format("a worker address with memory domain {}", md_index);
+    const std::uint8_t device_flags = address[pos] & static_cast<std::uint8_t>(~DEVICE_LEN_MASK);
+    last_device = (device_flags & FLAG_LAST) != 0;
+    std::size_t device_length = 0;
+    if (!extended(DEVICE_LEN_MASK, device_length)) return "a worker address cut short in a device";
+    if ((device_flags & DEVICE_NUM_PATHS) != 0) {
+      if (!need(1) || byte() == 0) return "a worker address with a device of 0 paths";
+    }
+    if ((device_flags & DEVICE_SYS_DEVICE) != 0) ++pos;
+    const std::size_t device_at = pos;
+    pos += device_length;
+    if (pos > address.size()) return "a worker address cut short in a device address";
+    for (bool last_iface = empty; !last_iface;) {
+      if (++entries > MAX_RESOURCES) return "a worker address with too many transports";
+      if (!need(TL_NAME_CSUM)) return "a worker address cut short in a transport";
+      const std::uint16_t checksum = detail::load_le16(address.data() + pos);
+      pos += TL_NAME_CSUM;
+      if (!need(v2 ? IFACE_ATTR_V2 : IFACE_ATTR_V1)) {
+        return "a worker address cut short in a transport";
+      }
+      if (const auto bad = check_iface_attr(address.subspan(pos), v2); !bad.empty()) {
+        return fmt::format("a worker address whose transport {} has {}", entries, bad);
+      }
+      pos += v2 ? IFACE_ATTR_V2 : IFACE_ATTR_V1;
+      if (!need(1)) return "a worker address cut short in a transport";
+      const std::uint8_t iface_flags = address[pos];
+      last_iface = (iface_flags & FLAG_LAST) != 0;
+      std::size_t iface_length = 0;
+      if (!extended(IFACE_LEN_MASK, iface_length))
+        return "a worker address cut short in a transport";
+      const std::size_t iface_at = pos;
+      pos += iface_length;
+      if (pos <= address.size()) {
+        info.transports.push_back({checksum, address.subspan(device_at, device_length),
+                                   address.subspan(iface_at, iface_length)});
+      }
+      // Endpoint addresses travel in UCX's wireup messages, never in a worker address.
+      if ((iface_flags & IFACE_HAS_EP_ADDR) != 0) return "a worker address with endpoint addresses";
+      if (pos > address.size()) return "a worker address cut short in a transport address";
+    }
+  }
+  if (pos != address.size()) {
+    return fmt::format("{} bytes after the end of the worker address", address.size() - pos);
+  }
+  return {};
+}
+}  // namespace
+
+bool impersonates(const WorkerAddressInfo& peer, const WorkerAddressInfo& own) {
+  if (peer.uuid == own.uuid) return false;
+  // Only the tcp transport's address (a listening port) names one worker; shared-memory and
+  // CMA addresses are per process, the same for every worker of it.
+  static const std::uint16_t tcp = ucs_crc16_string("tcp");
+  const auto same = [](std::span<const std::uint8_t> a, std::span<const std::uint8_t> b) {
+    return std::equal(a.begin(), a.end(), b.begin(), b.end());
+  };
+  for (const auto& theirs : peer.transports) {
+    for (const auto& ours : own.transports) {
+      if (theirs.name_checksum == tcp && ours.name_checksum == tcp &&
+          same(theirs.device, ours.device) && same(theirs.iface, ours.iface) &&
+          !theirs.iface.empty()) {
+        return true;
+      }
+    }
+  }
+  return false;
+}
+
 std::array<std::uint8_t, AM_HEADER_SIZE> encode_header(const AmHeader& header) {
   std::array<std::uint8_t, AM_HEADER_SIZE> out{};
   out[0] = static_cast<std::uint8_t>(header.type);
@@ -310,6 +499,42 @@ std::array<std::uint8_t, detail::FRAME_HEADER_SIZE + CLOSE_SIZE> encode_close(st
 std::optional<std::uint64_t> decode_close(std::span<const std::uint8_t> bytes) {
   if (bytes.size() != CLOSE_SIZE) return std::nullopt;
   return detail::load_le64(bytes.data());
+}
+
+std::string check_same_host_transports(const WorkerAddressInfo& peer,
+                                       const WorkerAddressInfo& own) {
+  static const std::uint16_t posix = ucs_crc16_string("posix");
+  static const std::array<std::uint16_t, 6> same_host{posix,
+                                                      ucs_crc16_string("sysv"),
+                                                      ucs_crc16_string("cma"),
+                                                      ucs_crc16_string("self"),
+                                                      ucs_crc16_string("xpmem"),
+                                                      ucs_crc16_string("knem")};
+  constexpr std::uint64_t POSIX_PROCFS = std::uint64_t{1} << 63U;
+  constexpr std::uint64_t POSIX_SHM_OPEN = std::uint64_t{1} << 62U;
+  constexpr std::uint64_t POSIX_HUGETLB = std::uint64_t{1} << 61U;
+  constexpr std::uint64_t POSIX_PID_NS = std::uint64_t{1} << 60U;
+  for (const auto& theirs : peer.transports) {
+    if (std::find(same_host.begin(), same_host.end(), theirs.name_checksum) == same_host.end()) {
+      continue;
+    }
+    const auto ours =
+        std::find_if(own.transports.begin(), own.transports.end(),
+                     [&](const auto& t) { return t.name_checksum == theirs.name_checksum; });
+    if (ours == own.transports.end()) continue;  // not one this side uses: UCX ignores it
+    if (theirs.device.size() != ours->device.size() || theirs.iface.size() != ours->iface.size()) {
+      return "a same-host transport address of another shape than this side's";
+    }
+    if (theirs.name_checksum == posix && theirs.iface.size() >= 8 && ours->iface.size() >= 8) {
+      const std::uint64_t seg = detail::load_le64(theirs.iface.data());
+      const std::uint64_t own_seg = detail::load_le64(ours->iface.data());
+      const std::uint64_t mode = POSIX_PROCFS | POSIX_SHM_OPEN | POSIX_HUGETLB | POSIX_PID_NS;
+      if ((seg & mode) != (own_seg & mode)) {
+        return "a posix shared-memory address of another mode than this side's";
+      }
+    }
+  }
+  return {};
 }
 
 }  // namespace netio3::ucx

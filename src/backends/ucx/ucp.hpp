@@ -70,6 +70,36 @@ class Worker {
   std::vector<std::uint8_t> m_address;
 };
 
+// UCX parses a worker address without knowing its length and asserts on malformed ones (a
+// HELLO with a random worker address aborted the process: address.c:1051). parse_worker_address
+// walks the packed address as UCX 1.13's ucp_address_unpack does for ucp_ep_create (address
+// versions 1 and 2, not unified mode), checking every length against the bytes there are,
+// every count against UCX's limits, and the figures UCX's lane selection computes with. On
+// success it lists the worker's id and its transports' addresses.
+struct WorkerAddressInfo {
+  struct Transport {
+    std::uint16_t name_checksum{};
+    std::span<const std::uint8_t> device;
+    std::span<const std::uint8_t> iface;
+  };
+  std::string error;  // empty: UCX can parse the address
+  std::optional<std::uint64_t> uuid;
+  std::vector<Transport> transports;
+};
+[[nodiscard]] WorkerAddressInfo parse_worker_address(std::span<const std::uint8_t> address);
+
+// Whether `peer` names the tcp transport of `own` (the same device and listening port) under
+// another worker id: a forged address that would make UCX connect to itself and keep that
+// connection.
+[[nodiscard]] bool impersonates(const WorkerAddressInfo& peer, const WorkerAddressInfo& own);
+
+// The same-host transports (shared memory, CMA, self) of `peer` next to ours: UCX attaches
+// what their addresses name, and asserts on some malformed ones (mm_posix.c:369, a posix
+// segment id that names neither procfs nor shm_open). Peers on one host run the same UCX
+// build, so their addresses have the same shape as ours. An error text, or empty.
+[[nodiscard]] std::string check_same_host_transports(const WorkerAddressInfo& peer,
+                                                     const WorkerAddressInfo& own);
+
 // A memory region mapped for UCX (ucp_mem_map), unmapped on destruction.
 class MemoryMap {
  public:

@@ -161,6 +161,7 @@ struct Endpoint {
   ucp_ep_h handle{nullptr};
   std::vector<std::weak_ptr<Connection>> users;         // the connections sending on it
   std::chrono::steady_clock::time_point last_progress;  // a send on it completed
+  bool proven{false};  // a READY came from the peer worker: it speaks UCX with us
   bool failed{false};
   bool closing{false};
 };
@@ -727,6 +728,13 @@ class Backend : public std::enable_shared_from_this<Backend> {
       handler.arg = this;
       check("ucp_worker_set_am_recv_handler",
             ucp_worker_set_am_recv_handler(m_worker->get(), &handler));
+      m_own_address = parse_worker_address(m_worker->address());
+      if (!m_own_address.error.empty()) {
+        NETIO3_WARN(
+            "ucx: this UCX's own worker address does not parse as netio3 expects ({}): "
+            "peers' addresses will be refused",
+            m_own_address.error);
+      }
       if (m_shared_send_pool) {
         m_shared_send_map = MemoryMap{m_worker->context(), m_shared_send_pool->region()};
       }
@@ -1103,6 +1111,22 @@ class Backend : public std::enable_shared_from_this<Backend> {
       protocol_error_now(conn, error);
       return;
     }
+    const auto address = parse_worker_address(hello->worker_address);
+    if (!address.error.empty()) {
+      protocol_error_now(conn, fmt::format("HELLO with {}", address.error));
+      return;
+    }
+    if (const auto bad = check_same_host_transports(address, m_own_address); !bad.empty()) {
+      protocol_error_now(conn, fmt::format("HELLO with {}", bad));
+      return;
+    }
+    if (impersonates(address, m_own_address)) {
+      // UCX would connect to itself and keep that connection.
+      protocol_error_now(conn,
+                         "HELLO with a worker address that names this process's own UCX "
+                         "transports under another worker's id");
+      return;
+    }
     std::shared_ptr<Endpoint> endpoint;
     try {
       endpoint = acquire_endpoint(hello->worker_address);
@@ -1225,6 +1249,12 @@ class Backend : public std::enable_shared_from_this<Backend> {
       const auto c = user.lock();
       return !c || c.get() == &conn;
     });
+    // An endpoint to a worker that never answered over UCX (a peer that never set up a
+    // connection, or one that sent a worker address of someone else) is not kept: a flood of
+    // such HELLOs must not pile up endpoints.
+    if (endpoint->users.empty() && !endpoint->proven) {
+      close_endpoint(endpoint, "no connection through it was ever set up");
+    }
   }
 
   // Closes an endpoint by force (UCX completes, as cancelled, what it still holds) and ends
@@ -1717,6 +1747,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
           NETIO3_DEBUG("ucx: closing an endpoint: {}", status_text(event.status));
         }
         m_endpoints.erase(event.id);
+        NETIO3_DEBUG("ucx: an endpoint closed ({} left)", m_endpoints.size());
         return;
       default:
         break;
@@ -1793,6 +1824,8 @@ class Backend : public std::enable_shared_from_this<Backend> {
           return;
         }
         conn->peer_ready = true;
+        const std::lock_guard lock{conn->mutex};
+        if (conn->ep) conn->ep->proven = true;
       }
       if (!conn->peer_error.empty()) {
         close_connection(conn, conn->peer_error, CloseKind::ERROR);
@@ -2070,6 +2103,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
   std::mutex m_worker_mutex;         // ensure_worker
   std::unique_ptr<Worker> m_worker;  // set once, before anything that uses it is registered
   std::string m_devices_interface;   // the interface UCX was restricted to, if any
+  WorkerAddressInfo m_own_address;   // of m_worker (set with it)
   std::unique_ptr<detail::BufferPool> m_shared_send_pool;
   MemoryMap m_shared_send_map;
   std::shared_ptr<RecvPool> m_global_recv;

@@ -1,0 +1,228 @@
+// Hostile peers that speak the first bytes of the UCX backend's control protocol (docs/
+// ucx.md): a correct greeting, then malformed frames and HELLOs, and worker addresses that
+// UCX cannot parse. UCX reads a worker address without knowing its length and asserts on
+// malformed ones, so the backend checks them first; a random or mutated address aborted the
+// process before it did. Both network modes (the RDMA mode's addresses carry the shared-
+// memory transports too).
+
+#include "hostile_support.hpp"
+
+namespace netio3::hostile {
+namespace {
+
+constexpr std::uint8_t FRAME_HELLO = 2;
+constexpr std::uint8_t FRAME_CLOSE = 3;
+constexpr std::size_t HELLO_FIXED = 24;
+
+Bytes ucx_greeting() {
+  return greeting(3, 0, 1U << 20U);
+}
+
+struct Hello {
+  std::uint8_t backend{3};
+  std::uint8_t mode{0};
+  std::uint8_t reserved{0};
+  std::uint64_t max_message{1U << 20U};
+  std::uint64_t token{0x5EED};
+  Bytes address;
+};
+
+Bytes hello_frame(const Hello& h) {
+  Bytes body(HELLO_FIXED, 0);
+  body[0] = h.backend;
+  body[1] = h.mode;
+  body[7] = h.reserved;
+  for (unsigned i = 0; i < 8; ++i) {
+    body[8 + i] = static_cast<std::uint8_t>(h.max_message >> (8U * i));
+    body[16 + i] = static_cast<std::uint8_t>(h.token >> (8U * i));
+  }
+  append(body, h.address);
+  Bytes frame = frame_header(static_cast<std::uint32_t>(body.size()), FRAME_HELLO);
+  append(frame, body);
+  return frame;
+}
+
+class HostileUcx : public HostileListener, public ::testing::WithParamInterface<NetworkMode> {
+ protected:
+  HostileUcx() { set_target(BackendType::UCX, GetParam()); }
+
+  // The server's UCP worker address, from the opening it sends to every connection.
+  Bytes server_worker_address() {
+    RawPeer peer{m_listen};
+    const auto head = peer.read_exact(GREETING_SIZE + HEADER_SIZE);
+    EXPECT_TRUE(head.has_value());
+    if (!head) return {};
+    EXPECT_EQ((*head)[GREETING_SIZE + 4], FRAME_HELLO);
+    const std::uint32_t length = get_le32(head->data() + GREETING_SIZE);
+    const auto body = peer.read_exact(length);
+    EXPECT_TRUE(body.has_value());
+    if (!body || body->size() <= HELLO_FIXED) return {};
+    peer.close();
+    return {body->begin() + HELLO_FIXED, body->end()};
+  }
+
+  // Greeting + HELLO with `address`: refused at once with a reason, or (an address UCX can
+  // parse, of a worker that never answers) dropped when the set-up times out. Either way
+  // closed, and never established.
+  void expect_not_established(const Bytes& address, std::size_t& refused) {
+    RawPeer peer{m_listen};
+    Bytes all = ucx_greeting();
+    append(all, hello_frame(Hello{.address = address}));
+    (void)peer.send_all(all);
+    EXPECT_NE(peer.wait_closed(PROMPT), RawPeer::Outcome::STILL_OPEN)
+        << "a HELLO with a worker address of " << address.size() << " bytes was kept open"
+        << m_logs.dump();
+    refused += m_logs.count(fmt::format("{}: HELLO with", netio3::to_string(peer.local())));
+    EXPECT_EQ(server_events(Recorder::Kind::ESTABLISHED, peer.local()), 0U);
+  }
+};
+
+TEST_P(HostileUcx, MalformedControlFramesAreRefusedWithTheReason) {
+  ASSERT_NO_FATAL_FAILURE(start());
+  const auto attack = [&](Bytes after_greeting, const std::string& reason) {
+    RawPeer peer{m_listen};
+    Bytes all = ucx_greeting();
+    append(all, after_greeting);
+    (void)peer.send_all(all);
+    expect_dropped(peer, {reason});
+    EXPECT_EQ(server_events(Recorder::Kind::ESTABLISHED, peer.local()), 0U);
+  };
+  for (const std::uint8_t type : {0, 1, 4, 0x80, 0xFF}) {  // 1: asyncmsg's DATA
+    Bytes frame = frame_header(16, type);
+    append(frame, random_bytes(16, type));
+    attack(frame, fmt::format("unknown frame type {}", type));
+  }
+  attack(frame_header(8, FRAME_HELLO, {0, 1, 0}), "reserved frame header bytes are not zero");
+  attack(frame_header(0x7FFF'FFFFU, FRAME_HELLO), "frame declares a message of 2147483647 bytes");
+  Bytes close = frame_header(8, FRAME_CLOSE);
+  append(close, Bytes(8, 0));
+  attack(close, "CLOSE before HELLO");
+  finish();
+}
+
+TEST_P(HostileUcx, MalformedHellosAreRefusedWithTheReason) {
+  ASSERT_NO_FATAL_FAILURE(start());
+  const Bytes address = server_worker_address();
+  ASSERT_FALSE(address.empty());
+  const auto attack = [&](const Bytes& frames, const std::string& reason) {
+    RawPeer peer{m_listen};
+    Bytes all = ucx_greeting();
+    append(all, frames);
+    (void)peer.send_all(all);
+    expect_dropped(peer, {reason});
+    EXPECT_EQ(server_events(Recorder::Kind::ESTABLISHED, peer.local()), 0U);
+  };
+  {
+    Bytes short_hello = frame_header(HELLO_FIXED, FRAME_HELLO);
+    append(short_hello, Bytes(HELLO_FIXED, 0));
+    attack(short_hello, "HELLO of 24 bytes");
+  }
+  attack(hello_frame(Hello{.backend = 1, .address = address}), "backend type 1");
+  attack(hello_frame(Hello{.mode = 7, .address = address}), "network mode");
+  attack(hello_frame(Hello{.reserved = 1, .address = address}), "reserved");
+  attack(hello_frame(Hello{.max_message = 0, .address = address}), "maximum message size of 0");
+  attack(hello_frame(Hello{.token = 0, .address = address}), "token 0");
+  {
+    Bytes twice = hello_frame(Hello{.address = address});
+    append(twice, hello_frame(Hello{.address = address}));
+    attack(twice, "a second HELLO");
+  }
+  finish();
+}
+
+// Random and truncated addresses: refused by the backend's check before UCX sees them.
+TEST_P(HostileUcx, MalformedWorkerAddressesAreRefusedBeforeUcxSeesThem) {
+  ASSERT_NO_FATAL_FAILURE(start());
+  const Bytes real = server_worker_address();
+  ASSERT_GT(real.size(), 8U);
+  std::mt19937 rng{20261124};
+  std::vector<Bytes> addresses;
+  for (const std::size_t n : {1, 2, 8, 50, 300, 4000}) {
+    for (std::uint32_t k = 0; k < 4; ++k) addresses.push_back(random_bytes(n, rng()));
+  }
+  for (std::size_t cut = 1; cut < real.size(); cut += std::max<std::size_t>(1, real.size() / 40)) {
+    addresses.emplace_back(real.begin(), real.begin() + static_cast<std::ptrdiff_t>(cut));
+  }
+  {
+    Bytes longer = real;
+    append(longer, random_bytes(7, 1));
+    addresses.push_back(std::move(longer));
+  }
+  std::size_t refused = 0;
+  for (std::size_t i = 0; i < addresses.size(); ++i) {
+    const std::size_t before = refused;
+    ASSERT_NO_FATAL_FAILURE(expect_not_established(addresses[i], refused));
+    EXPECT_EQ(refused, before + 1) << "address " << i << " of " << addresses[i].size()
+                                   << " bytes was not refused by the check" << m_logs.dump();
+  }
+  std::printf("[ info     ] %zu random or truncated worker addresses: %zu refused\n",
+              addresses.size(), refused);
+  finish();
+}
+
+// Mutations of a real address (1-3 bytes changed): the check refuses what UCX would assert
+// on (it aborted the process within 70 such HELLOs before the check covered the transports'
+// figures); what UCX can parse belongs to no worker that answers, and the set-up times out.
+// UCX 1.13 keeps the sockets of lanes that failed to connect (to a mutated port) for a while
+// after the endpoint is closed (measured standalone: 40-65 s; longer while the process is
+// busy), so the descriptors are reported, not checked (docs/ucx.md, known problems).
+TEST_P(HostileUcx, MutatedWorkerAddressesNeitherCrashNorConnect) {
+  NetworkLimits limits = patient_limits();
+  limits.connect_timeout = SHORT_CONNECT_TIMEOUT;
+  ASSERT_NO_FATAL_FAILURE(start(limits));
+  const Bytes real = server_worker_address();
+  ASSERT_GT(real.size(), 8U);
+  std::mt19937 rng{20261125};
+  std::size_t refused = 0;
+  constexpr int MUTATIONS = 160;
+  for (int i = 0; i < MUTATIONS; ++i) {
+    Bytes mutated = real;
+    const int changes = 1 + i % 3;
+    for (int c = 0; c < changes; ++c) {
+      auto& b = mutated[rng() % mutated.size()];
+      b = i % 2 == 0 ? static_cast<std::uint8_t>(rng())
+                     : static_cast<std::uint8_t>(b ^ (1U << (rng() % 8)));
+    }
+    ASSERT_NO_FATAL_FAILURE(expect_not_established(mutated, refused));
+  }
+  std::printf(
+      "[ info     ] %d mutated worker addresses: %zu refused by the check, the rest "
+      "timed out\n",
+      MUTATIONS, refused);
+  expect_stream_progress(100);
+  m_check_fds = false;
+  m_why_fds_unchecked = "UCX keeps sockets of lanes that failed to connect";
+  finish();
+}
+
+// A well-formed address of a worker that never answers over UCX (here: the server's own): the
+// connection waits for the peer's READY and is dropped when the set-up times out; the UCP
+// endpoint made for it does not stay behind (finish() checks the descriptors).
+TEST_P(HostileUcx, APeerThatNeverAnswersOverUcxIsDroppedAfterTheSetUpTimeout) {
+  NetworkLimits limits = patient_limits();
+  limits.connect_timeout = SHORT_CONNECT_TIMEOUT;
+  ASSERT_NO_FATAL_FAILURE(start(limits));
+  const Bytes address = server_worker_address();
+  ASSERT_FALSE(address.empty());
+  for (int i = 0; i < 5; ++i) {
+    const auto begin = Clock::now();
+    RawPeer peer{m_listen};
+    Bytes all = ucx_greeting();
+    append(all, hello_frame(Hello{.token = 100U + static_cast<unsigned>(i), .address = address}));
+    ASSERT_TRUE(peer.send_all(all));
+    expect_dropped(peer, {fmt::format("timed out after {} ms", SHORT_CONNECT_TIMEOUT.count())});
+    EXPECT_GE(Clock::now() - begin, SHORT_CONNECT_TIMEOUT);
+    EXPECT_EQ(server_events(Recorder::Kind::ESTABLISHED, peer.local()), 0U);
+  }
+  finish();
+}
+
+std::string mode_name(const ::testing::TestParamInfo<NetworkMode>& param) {
+  return std::string{netio3::to_string(param.param)};
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, HostileUcx, ::testing::Values(NetworkMode::TCP, NetworkMode::RDMA),
+                         mode_name);
+
+}  // namespace
+}  // namespace netio3::hostile
