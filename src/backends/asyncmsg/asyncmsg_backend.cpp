@@ -48,6 +48,7 @@
 #include "common/notifier.hpp"
 #include "common/send_ledger.hpp"
 #include "common/setup_deadlines.hpp"
+#include "common/tcp.hpp"
 
 namespace netio3::asyncmsg {
 namespace {
@@ -72,8 +73,6 @@ constexpr auto HOUSEKEEPING_PERIOD = 100ms;
 // peer closes too, so that unread input cannot turn the close into a RST that would
 // destroy data still queued in our kernel send buffer.
 constexpr auto LINGER_TIMEOUT = 2s;
-// Accepting is paused this long when the process runs out of file descriptors.
-constexpr auto ACCEPT_BACKOFF = 100ms;
 // Staging chunks kept for reuse by the backend's connections (8 MiB).
 constexpr std::size_t CACHED_CHUNKS = 32;
 
@@ -94,7 +93,8 @@ struct Listener {
   tcp::acceptor acceptor;
   FdHandle fd;  // guarded by `mutex`
   bool closed{false};
-  Clock::time_point resume_at{};  // while in Backend::m_paused (loop thread only)
+  Clock::time_point resume_at{};               // while in Backend::m_paused (loop thread only)
+  std::optional<detail::AcceptPauses> pauses;  // loop thread only
 };
 
 enum class State { CONNECTING, GREETING, OPEN, CLOSED };
@@ -255,6 +255,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
     EndPointAddress actual{address.address, local.port()};
     m_registry.check_listen_free(held, actual);
     listener->address = actual;
+    listener->pauses.emplace(NAME, actual);
     std::weak_ptr<Backend> weak = weak_from_this();
     std::weak_ptr<Listener> weak_listener = listener;
     {
@@ -290,9 +291,10 @@ class Backend : public std::enable_shared_from_this<Backend> {
     };
     if (conn->socket.open(endpoint.protocol(), ec); ec) fail("socket", ec.message());
     if (conn->socket.non_blocking(true, ec); ec) fail("non-blocking mode", ec.message());
-    if (conn->socket.set_option(tcp::no_delay(true), ec); ec) fail("TCP_NODELAY", ec.message());
-    if (const auto err = set_peer_timeout(conn->socket.native_handle()); !err.empty()) {
-      fail("keepalive / TCP_USER_TIMEOUT", err);
+    if (const auto err =
+            detail::configure_stream(conn->socket.native_handle(), m_config.limits.peer_timeout);
+        !err.empty()) {
+      fail("socket options", err);
     }
     const int rc = ::connect(conn->socket.native_handle(), endpoint.data(),
                              static_cast<socklen_t>(endpoint.size()));
@@ -514,26 +516,34 @@ class Backend : public std::enable_shared_from_this<Backend> {
       if (ec == asio::error::would_block || ec == asio::error::try_again) return;
       if (ec == asio::error::no_descriptors || ec == asio::error::no_buffer_space ||
           ec == asio::error::no_memory || ec.value() == ENFILE) {
-        pause_listener(listener, ec.message());
+        pause_listener(listener, fmt::format("accept failed: {}", ec.message()));
         return;
       }
       if (ec) {
         NETIO3_DEBUG("asyncmsg: accept on {} failed: {}", listener->address, ec.message());
         continue;
       }
+      if (detail::descriptor_table_nearly_full(socket.native_handle())) {
+        // Keep descriptors for the rest of the process (timers, other backends' transports).
+        pause_listener(listener,
+                       fmt::format("the descriptor table is nearly full (descriptor {} of "
+                                   "RLIMIT_NOFILE); the connection is refused",
+                                   socket.native_handle()));
+        return;
+      }
+      listener->pauses->accepted();
       accept_one(listener, std::move(socket), peer);
     }
   }
 
   void pause_listener(const std::shared_ptr<Listener>& listener, const std::string& why) {
-    NETIO3_WARN("asyncmsg: accept on {} failed: {}; pausing accepts for {} ms", listener->address,
-                why, ACCEPT_BACKOFF.count());
+    listener->pauses->paused(why);
     {
       const std::lock_guard lock{listener->mutex};
       if (listener->closed) return;
       listener->fd.modify(0);
     }
-    listener->resume_at = Clock::now() + ACCEPT_BACKOFF;
+    listener->resume_at = Clock::now() + detail::AcceptPauses::BACKOFF;
     const std::lock_guard lock{m_mutex};
     m_paused.push_back(listener);
     if (!m_timer_armed) {
@@ -542,38 +552,13 @@ class Backend : public std::enable_shared_from_this<Backend> {
     }
   }
 
-  // limits.peer_timeout: a peer that stops acknowledging (dead host, cut link) ends the
-  // connection within about that time. TCP_USER_TIMEOUT bounds how long sent data may stay
-  // unacknowledged; keepalive probes (after half the time idle, then three more) find a
-  // peer that vanished while nothing was being sent. Returns an error text, empty if set.
-  [[nodiscard]] std::string set_peer_timeout(int fd) const {
-    const auto ms = m_config.limits.peer_timeout.count();
-    const int user_timeout = static_cast<int>(std::min<std::int64_t>(ms, INT32_MAX));
-    const int idle = static_cast<int>(std::clamp<std::int64_t>(ms / 2000, 1, 32767));
-    const int interval = static_cast<int>(std::clamp<std::int64_t>(ms / 6000, 1, 32767));
-    const int count = 3;
-    const int on = 1;
-    const std::array<std::tuple<int, int, const int*, const char*>, 5> options{{
-        {SOL_SOCKET, SO_KEEPALIVE, &on, "SO_KEEPALIVE"},
-        {IPPROTO_TCP, TCP_KEEPIDLE, &idle, "TCP_KEEPIDLE"},
-        {IPPROTO_TCP, TCP_KEEPINTVL, &interval, "TCP_KEEPINTVL"},
-        {IPPROTO_TCP, TCP_KEEPCNT, &count, "TCP_KEEPCNT"},
-        {IPPROTO_TCP, TCP_USER_TIMEOUT, &user_timeout, "TCP_USER_TIMEOUT"},
-    }};
-    for (const auto& [level, name, value, text] : options) {
-      if (::setsockopt(fd, level, name, value, sizeof(int)) != 0) {
-        return fmt::format("{}: {}", text, errno_text(errno));
-      }
-    }
-    return {};
-  }
-
   void accept_one(const std::shared_ptr<Listener>& listener, tcp::socket socket,
                   const tcp::endpoint& peer) {
     boost::system::error_code ec;
     socket.non_blocking(true, ec);
-    if (!ec) socket.set_option(tcp::no_delay(true), ec);
-    std::string error = ec ? ec.message() : set_peer_timeout(socket.native_handle());
+    std::string error =
+        ec ? ec.message()
+           : detail::configure_stream(socket.native_handle(), m_config.limits.peer_timeout);
     if (!error.empty()) {
       NETIO3_WARN("asyncmsg: cannot configure socket accepted on {}: {}", listener->address, error);
       return;
