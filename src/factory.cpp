@@ -5,6 +5,7 @@
 #include <netio3/network_backend.hpp>
 
 #include "common/endpoint_rules.hpp"
+#include "common/tcp.hpp"
 
 #ifdef NETIO3_WITH_ASYNCMSG
 #include "backends/asyncmsg/asyncmsg_backend.hpp"
@@ -41,6 +42,10 @@ std::unique_ptr<NetworkBackend> Netio3Backend::create(BackendType type, NetworkC
                                                       std::shared_ptr<BaseEventLoop> event_loop) {
   if (!event_loop) throw std::invalid_argument("Netio3Backend::create: event loop is null");
   detail::check_config(config);
+  // A process that runs out of descriptors can neither accept nor connect, and UCX's tcp
+  // transport then closes its listener for good: every backend starts by using what the hard
+  // limit allows (docs/semantics.md, "Descriptors").
+  detail::raise_descriptor_limit();
   switch (type) {
 #ifdef NETIO3_WITH_ASYNCMSG
     case BackendType::ASYNCMSG:

@@ -1,72 +1,334 @@
-// UCX-specific behaviour. The conformance suite covers everything common.
+// UCX-specific behaviour. The conformance suite covers everything common; the hostile suite
+// the control channel under attack.
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cstdlib>
 #include <iostream>
 #include <string>
 #include <sys/resource.h>
+#include <thread>
+#include <ucp/api/ucp.h>
 #include <vector>
 
 #include <gtest/gtest.h>
+#include <netio3/log.hpp>
 #include <netio3/netio3.hpp>
 
+#include "backends/ucx/ucp.hpp"
+#include "common/sockaddr.hpp"
 #include "test_support.hpp"
 
 namespace netio3::test {
 namespace {
 
-// UCX 1.13 allows UCX_ASYNC_MAX_EVENTS (default 1024) handlers on its async thread per
-// process, one per listener and one per connection-manager endpoint; at that limit an
-// incoming connection request crashes UCX's async thread. The backend raises the limit to
-// RLIMIT_NOFILE. Listeners are the handlers that can be counted without connections (a
-// listener beyond UCX's limit fails cleanly with "User-defined limit was reached"), so the
-// test opens more listeners than UCX's default allows, then connects to the last one.
-TEST(UcxLimits, MoreAsyncHandlersThanUcxsDefaultAllow) {
-  constexpr std::size_t LISTENERS = 1100;
-  if (const char* env = std::getenv("UCX_ASYNC_MAX_EVENTS"); env != nullptr && *env != '\0') {
-    GTEST_SKIP() << "UCX_ASYNC_MAX_EVENTS is set (" << env << "): UCX's limit is the user's";
+using namespace std::chrono_literals;
+using Clock = std::chrono::steady_clock;
+
+// Raises the soft descriptor limit to at least `want` (within the hard limit) for the scope.
+class EnoughDescriptors {
+ public:
+  explicit EnoughDescriptors(rlim_t want) {
+    ::getrlimit(RLIMIT_NOFILE, &m_saved);
+    rlimit raised = m_saved;
+    raised.rlim_cur = std::max(m_saved.rlim_cur, std::min(want, m_saved.rlim_max));
+    ::setrlimit(RLIMIT_NOFILE, &raised);
+    m_have = raised.rlim_cur;
   }
-  rlimit limit{};
-  ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &limit), 0);
-  constexpr rlim_t WANT = 4096;
-  if (limit.rlim_cur < WANT) {
-    limit.rlim_cur = std::min(WANT, limit.rlim_max);
-    ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &limit), 0);
+  ~EnoughDescriptors() { ::setrlimit(RLIMIT_NOFILE, &m_saved); }
+  EnoughDescriptors(const EnoughDescriptors&) = delete;
+  EnoughDescriptors& operator=(const EnoughDescriptors&) = delete;
+  EnoughDescriptors(EnoughDescriptors&&) = delete;
+  EnoughDescriptors& operator=(EnoughDescriptors&&) = delete;
+  [[nodiscard]] rlim_t have() const { return m_have; }
+
+ private:
+  rlimit m_saved{};
+  rlim_t m_have{0};
+};
+
+// A thousand connections between two backends of one process (a listener each: a backend
+// holds one connection per remote address), every one established on both sides, one
+// message each way delivered, then all closed and the descriptors back where they were. They
+// share one UCP endpoint per direction, so UCX's own limits (async handlers, descriptors per
+// connection manager endpoint) do not grow with them.
+TEST(UcxScale, AThousandConnectionsInOneProcess) {
+  constexpr std::size_t CONNECTIONS = 1000;
+  const EnoughDescriptors fds{8192};
+  if (fds.have() < 4 * CONNECTIONS) {
+    GTEST_SKIP() << "RLIMIT_NOFILE allows " << fds.have() << " descriptors: too few for "
+                 << CONNECTIONS << " connections";
   }
-  if (limit.rlim_cur < 2 * LISTENERS) {
-    GTEST_SKIP() << "RLIMIT_NOFILE is " << limit.rlim_cur << " (hard " << limit.rlim_max
-                 << "): too few descriptors for " << LISTENERS << " listeners";
+  for (const auto mode : {NetworkMode::TCP, NetworkMode::RDMA}) {
+    SCOPED_TRACE(to_string(mode));
+    Recorder server_rec;
+    Recorder client_rec;
+    LoopThread server_loop;
+    LoopThread client_loop;
+    {
+      // UCX keeps some process-wide descriptors once a context of this kind was made.
+      auto warm_up = Netio3Backend::create(
+          BackendType::UCX, server_rec.config(ThreadSafetyModel::SAFE, mode), server_loop.loop());
+      (void)warm_up->open_listen_endpoint({"127.0.0.1", 0}, {});
+    }
+    const std::size_t fds_before = open_fd_count();
+    auto server = Netio3Backend::create(
+        BackendType::UCX, server_rec.config(ThreadSafetyModel::SAFE, mode), server_loop.loop());
+    auto client = Netio3Backend::create(
+        BackendType::UCX, client_rec.config(ThreadSafetyModel::SAFE, mode), client_loop.loop());
+    const ConnectionParameters params{.recv_params = {.buf_size = 64, .num_buf = 2},
+                                      .send_buffered_params = {.buf_size = 64, .num_buf = 2}};
+    std::vector<EndPointAddress> listeners;
+    const auto begin = Clock::now();
+    for (std::size_t i = 0; i < CONNECTIONS; ++i) {
+      listeners.push_back(server->open_listen_endpoint({"127.0.0.1", 0}, params));
+      client->open_active_endpoint(listeners.back(), params);
+    }
+    ASSERT_TRUE(client_rec.wait(
+        [](const Recorder& r) { return r.count(Recorder::Kind::ESTABLISHED) == CONNECTIONS; }, 60s))
+        << client_rec.count_now(Recorder::Kind::ESTABLISHED) << " established, "
+        << client_rec.count_now(Recorder::Kind::REFUSED) << " refused";
+    ASSERT_TRUE(server_rec.wait(
+        [](const Recorder& r) { return r.count(Recorder::Kind::ESTABLISHED) == CONNECTIONS; },
+        60s));
+    const auto established = Clock::now();
+    for (const auto& listener : listeners) {
+      auto* buffer = client->get_buffer(listener);
+      ASSERT_NE(buffer, nullptr);
+      buffer->write(std::uint32_t{listener.port});
+      ASSERT_EQ(client->send_buffer(listener, buffer), NetioStatus::OK);
+    }
+    for (const auto& e : server_rec.snapshot()) {
+      if (e.kind != Recorder::Kind::ESTABLISHED) continue;
+      auto* buffer = server->get_buffer(e.remote);
+      ASSERT_NE(buffer, nullptr);
+      buffer->write(std::uint32_t{e.remote.port});
+      ASSERT_EQ(server->send_buffer(e.remote, buffer), NetioStatus::OK);
+    }
+    EXPECT_TRUE(server_rec.wait(
+        [](const Recorder& r) { return r.count(Recorder::Kind::DATA) == CONNECTIONS; }, 60s));
+    EXPECT_TRUE(client_rec.wait(
+        [](const Recorder& r) { return r.count(Recorder::Kind::DATA) == CONNECTIONS; }, 60s));
+    for (const auto& listener : listeners) client->close_active_endpoint(listener);
+    EXPECT_TRUE(client_rec.wait(
+        [](const Recorder& r) { return r.count(Recorder::Kind::CLOSED) == CONNECTIONS; }, 60s));
+    EXPECT_TRUE(server_rec.wait(
+        [](const Recorder& r) { return r.count(Recorder::Kind::CLOSED) == CONNECTIONS; }, 60s));
+    EXPECT_EQ(client_rec.count_now(Recorder::Kind::REFUSED), 0U);
+    const auto closed = Clock::now();
+    const std::size_t fds_open = open_fd_count();
+    for (const auto& listener : listeners) server->close_listen_endpoint(listener);
+    client.reset();
+    server.reset();
+    const auto ms = [](auto d) {
+      return std::chrono::duration_cast<std::chrono::milliseconds>(d).count();
+    };
+    std::cout << "[ scale    ] " << to_string(mode) << ": " << CONNECTIONS
+              << " connections established in " << ms(established - begin)
+              << " ms, message each way and closed in " << ms(closed - established)
+              << " ms; descriptors " << fds_before << " -> " << fds_open
+              << " with the listeners open -> " << open_fd_count() << " after\n";
+    EXPECT_LE(open_fd_count(), fds_before + 2) << "descriptors stayed behind";
   }
-  Recorder server_rec;
-  Recorder client_rec;
-  LoopThread loop;
-  auto server = Netio3Backend::create(
-      BackendType::UCX, server_rec.config(ThreadSafetyModel::SAFE, NetworkMode::TCP), loop.loop());
-  auto client = Netio3Backend::create(
-      BackendType::UCX, client_rec.config(ThreadSafetyModel::SAFE, NetworkMode::TCP), loop.loop());
-  std::vector<EndPointAddress> listeners;
-  for (std::size_t i = 0; i < LISTENERS; ++i) {
-    try {
-      listeners.push_back(server->open_listen_endpoint(
-          {"127.0.0.1", 0}, {.recv_params = {.buf_size = 64, .num_buf = 2}}));
-    } catch (const FailedOpenListenEndpoint& e) {
-      FAIL() << "listener " << i + 1 << " of " << LISTENERS << ": " << e.what();
+}
+
+// A UCP worker of this test, progressed by a thread: UCX's own listener and client, as a
+// netio3 UCX backend of protocol 2 used them (UCX's connection manager on the listening port).
+class RawUcp {
+ public:
+  RawUcp() {
+    ucp_config_t* config = nullptr;
+    ucp_config_read(nullptr, nullptr, &config);
+    ucp_config_modify(config, "TLS", "tcp");
+    ucp_params_t params{};
+    params.field_mask = UCP_PARAM_FIELD_FEATURES;
+    params.features = UCP_FEATURE_AM;
+    m_ok = ucp_init(&params, config, &m_context) == UCS_OK;
+    ucp_config_release(config);
+    ucp_worker_params_t wp{};
+    wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+    wp.thread_mode = UCS_THREAD_MODE_MULTI;
+    m_ok = m_ok && ucp_worker_create(m_context, &wp, &m_worker) == UCS_OK;
+    if (m_ok) {
+      m_thread = std::jthread{[this](const std::stop_token& stop) {
+        while (!stop.stop_requested()) {
+          if (ucp_worker_progress(m_worker) == 0) std::this_thread::sleep_for(1ms);
+        }
+      }};
     }
   }
-  client->open_active_endpoint(listeners.back(),
-                               {.send_buffered_params = {.buf_size = 64, .num_buf = 2}});
+  ~RawUcp() {
+    m_thread = {};
+    if (m_listener != nullptr) ucp_listener_destroy(m_listener);
+    if (m_ep != nullptr) {
+      ucp_request_param_t param{};
+      param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+      param.flags = UCP_EP_CLOSE_FLAG_FORCE;
+      void* request = ucp_ep_close_nbx(m_ep, &param);
+      while (request != nullptr && !UCS_PTR_IS_ERR(request) &&
+             ucp_request_check_status(request) == UCS_INPROGRESS) {
+        ucp_worker_progress(m_worker);
+      }
+      if (request != nullptr && !UCS_PTR_IS_ERR(request)) ucp_request_free(request);
+    }
+    if (m_worker != nullptr) ucp_worker_destroy(m_worker);
+    if (m_context != nullptr) ucp_cleanup(m_context);
+  }
+  RawUcp(const RawUcp&) = delete;
+  RawUcp& operator=(const RawUcp&) = delete;
+  RawUcp(RawUcp&&) = delete;
+  RawUcp& operator=(RawUcp&&) = delete;
+
+  [[nodiscard]] bool ok() const { return m_ok; }
+  std::atomic<int> requests{0};
+  std::atomic<int> errors{0};
+
+  // UCX's listener on 127.0.0.1; its port, or 0.
+  std::uint16_t listen() {
+    const auto sa = detail::to_socket_address({"127.0.0.1", 0});
+    ucp_listener_params_t lp{};
+    lp.field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | UCP_LISTENER_PARAM_FIELD_CONN_HANDLER;
+    lp.sockaddr.addr = sa->get();
+    lp.sockaddr.addrlen = sa->length;
+    lp.conn_handler.cb = [](ucp_conn_request_h request, void* arg) {
+      auto* self = static_cast<RawUcp*>(arg);
+      ++self->requests;
+      ucp_listener_reject(self->m_listener, request);
+    };
+    lp.conn_handler.arg = this;
+    if (ucp_listener_create(m_worker, &lp, &m_listener) != UCS_OK) return 0;
+    ucp_listener_attr_t attr{};
+    attr.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR;
+    if (ucp_listener_query(m_listener, &attr) != UCS_OK) return 0;
+    const auto bound = detail::to_endpoint_address(&attr.sockaddr, sizeof(attr.sockaddr));
+    return bound ? bound->port : 0;
+  }
+
+  // A client endpoint through UCX's connection manager, with peer error handling.
+  bool connect(const EndPointAddress& to) {
+    const auto sa = detail::to_socket_address(to);
+    ucp_ep_params_t ep{};
+    ep.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR |
+                    UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    ep.flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER;
+    ep.sockaddr.addr = sa->get();
+    ep.sockaddr.addrlen = sa->length;
+    ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+    ep.err_handler.cb = [](void* arg, ucp_ep_h, ucs_status_t) {
+      ++static_cast<RawUcp*>(arg)->errors;
+    };
+    ep.err_handler.arg = this;
+    return ucp_ep_create(m_worker, &ep, &m_ep) == UCS_OK;
+  }
+
+ private:
+  bool m_ok{false};
+  ucp_context_h m_context{nullptr};
+  ucp_worker_h m_worker{nullptr};
+  ucp_listener_h m_listener{nullptr};
+  ucp_ep_h m_ep{nullptr};
+  std::jthread m_thread;
+};
+
+template <typename Pred>
+bool eventually(Pred pred, std::chrono::milliseconds timeout) {
+  const auto deadline = Clock::now() + timeout;
+  while (!pred()) {
+    if (Clock::now() > deadline) return false;
+    std::this_thread::sleep_for(5ms);
+  }
+  return true;
+}
+
+// netio3's UCX backend up to protocol 2 listened with UCX's connection manager, which waits
+// for a connection request of its own format and never greets. A client of protocol 3 gives
+// up after the server-greeting deadline (2 s), not after limits.connect_timeout, with a reason;
+// the old server never sees a connection request.
+TEST(UcxOldProtocol, AClientGivesUpOnAServerOfProtocol2Quickly) {
+  RawUcp old_server;
+  ASSERT_TRUE(old_server.ok());
+  const std::uint16_t port = old_server.listen();
+  ASSERT_NE(port, 0);
+  Recorder rec;
+  LoopThread loop;
+  auto config = rec.config(ThreadSafetyModel::SAFE, NetworkMode::TCP);
+  config.limits.connect_timeout = 30s;
+  auto client = Netio3Backend::create(BackendType::UCX, std::move(config), loop.loop());
+  const EndPointAddress server{"127.0.0.1", port};
+  const auto begin = Clock::now();
+  client->open_active_endpoint(server, {.send_buffered_params = {.buf_size = 64, .num_buf = 2}});
   ASSERT_TRUE(
+      rec.wait([](const Recorder& r) { return r.count(Recorder::Kind::REFUSED) == 1; }, 10s));
+  const auto elapsed = Clock::now() - begin;
+  EXPECT_LT(elapsed, 5s);
+  EXPECT_EQ(rec.count_now(Recorder::Kind::ESTABLISHED), 0U);
+  EXPECT_EQ(old_server.requests.load(), 0);
+  std::cout << "[ interop  ] refused by a protocol-2 server after "
+            << std::chrono::duration_cast<std::chrono::milliseconds>(elapsed).count() << " ms\n";
+}
+
+// The other way round: a client of protocol 2 (UCX's connection manager) at a listener of
+// protocol 3 is refused at once (its request is not a greeting), and the listener keeps
+// serving.
+TEST(UcxOldProtocol, AClientOfProtocol2IsRefusedAtOnce) {
+  Recorder rec;
+  LoopThread loop;
+  auto server = Netio3Backend::create(
+      BackendType::UCX, rec.config(ThreadSafetyModel::SAFE, NetworkMode::TCP), loop.loop());
+  const auto listen = server->open_listen_endpoint({"127.0.0.1", 0},
+                                                   {.recv_params = {.buf_size = 64, .num_buf = 2}});
+  {
+    RawUcp old_client;
+    ASSERT_TRUE(old_client.ok());
+    const auto begin = Clock::now();
+    ASSERT_TRUE(old_client.connect(listen));
+    EXPECT_TRUE(eventually([&] { return old_client.errors.load() > 0; }, 5s))
+        << "UCX's client was not told that the connection failed";
+    std::cout << "[ interop  ] a protocol-2 client was refused after "
+              << std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - begin).count()
+              << " ms\n";
+  }
+  EXPECT_EQ(rec.count_now(Recorder::Kind::ESTABLISHED), 0U);
+  Recorder client_rec;
+  auto client = Netio3Backend::create(
+      BackendType::UCX, client_rec.config(ThreadSafetyModel::SAFE, NetworkMode::TCP), loop.loop());
+  client->open_active_endpoint(listen, {.send_buffered_params = {.buf_size = 64, .num_buf = 2}});
+  EXPECT_TRUE(
       client_rec.wait([](const Recorder& r) { return r.count(Recorder::Kind::ESTABLISHED) == 1; }));
-  auto* buffer = client->get_buffer(listeners.back());
-  ASSERT_NE(buffer, nullptr);
-  buffer->write(std::uint32_t{0x0C5});
-  ASSERT_EQ(client->send_buffer(listeners.back(), buffer), NetioStatus::OK);
-  ASSERT_TRUE(
-      server_rec.wait([](const Recorder& r) { return r.count(Recorder::Kind::DATA) == 1; }));
-  std::cout << "[ limits   ] " << LISTENERS << " listeners and a connection in one process, "
-            << "RLIMIT_NOFILE " << limit.rlim_cur << "\n";
-  client.reset();
-  server.reset();
+}
+
+// The check of peers' worker addresses accepts what UCX produces, in both modes, and refuses
+// every truncation of it and anything after its end.
+TEST(UcxAddress, OwnAddressesParseAndTruncationsAreRefused) {
+  for (const auto mode : {NetworkMode::TCP, NetworkMode::RDMA}) {
+    SCOPED_TRACE(to_string(mode));
+    const ucx::Worker worker{ucx::choose_transports(mode), ThreadSafetyModel::SAFE, ""};
+    const auto address = worker.address();
+    const auto parsed = ucx::parse_worker_address(address);
+    ASSERT_EQ(parsed.error, "");
+    EXPECT_TRUE(parsed.uuid.has_value());
+    EXPECT_FALSE(parsed.transports.empty());
+    EXPECT_FALSE(ucx::impersonates(parsed, parsed)) << "an address does not impersonate itself";
+    EXPECT_EQ(ucx::check_same_host_transports(parsed, parsed), "");
+    for (std::size_t n = 0; n < address.size(); ++n) {
+      EXPECT_NE(ucx::parse_worker_address(address.first(n)).error, "") << "first " << n << " bytes";
+    }
+    std::vector<std::uint8_t> longer(address.begin(), address.end());
+    longer.push_back(0);
+    EXPECT_NE(ucx::parse_worker_address(longer).error, "");
+    // Another worker id on this worker's transports: a forgery that makes UCX connect to itself.
+    auto forged = std::vector<std::uint8_t>(address.begin(), address.end());
+    const std::size_t uuid_at = (forged[0] & 0x0FU) == 0 ? 1 : 2;
+    forged[uuid_at] ^= 0x5A;
+    const auto forged_parsed = ucx::parse_worker_address(forged);
+    ASSERT_EQ(forged_parsed.error, "");
+    if (mode == NetworkMode::TCP) {
+      EXPECT_TRUE(ucx::impersonates(forged_parsed, parsed));
+    }
+    std::cout << "[ address  ] " << to_string(mode) << ": " << address.size() << " bytes, "
+              << parsed.transports.size() << " transports\n";
+  }
 }
 
 }  // namespace

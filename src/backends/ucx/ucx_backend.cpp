@@ -271,10 +271,6 @@ class Backend : public std::enable_shared_from_this<Backend> {
         m_ids_mutex{m_thread.safe()},
         m_rng{std::random_device{}()},
         m_events_mutex{m_thread.safe()} {
-    // A process that runs out of descriptors cannot accept or connect, and UCX's tcp
-    // transport then closes its listener for good (docs/ucx.md): use what the hard limit
-    // allows.
-    detail::raise_descriptor_limit();
     const auto& shared_tx = m_config.shared_send_buffers;
     if (shared_tx.use_shared_send_buffers) {
       m_shared_send_pool =
