@@ -35,9 +35,9 @@ ProviderEnvironment::~ProviderEnvironment() {
 }
 
 Side::Side(BackendType type, std::size_t message_size,
-           const std::function<void(NetworkConfig&)>& tweak)
+           const std::function<void(NetworkConfig&)>& tweak, NetworkMode network)
     : observer{message_size} {
-  auto config = observer.config(NetworkMode::TCP);
+  auto config = observer.config(network);
   if (tweak) tweak(config);
   backend = Netio3Backend::create(type, std::move(config), loop.loop());
 }
@@ -80,6 +80,8 @@ std::vector<std::string> peer_command(const PeerOptions& o, const std::string& n
       std::to_string(o.size),
       "--mode",
       std::string{to_string(o.mode)},
+      "--network",
+      std::string{netio3::to_string(o.network)},
       "--stream",
       std::to_string(o.stream),
       "--progress",

@@ -51,7 +51,8 @@ class ProviderEnvironment {
 class Side {
  public:
   Side(BackendType type, std::size_t message_size,
-       const std::function<void(NetworkConfig&)>& tweak = {});
+       const std::function<void(NetworkConfig&)>& tweak = {},
+       NetworkMode network = NetworkMode::TCP);
   ~Side();
   Side(const Side&) = delete;
   Side& operator=(const Side&) = delete;
@@ -75,6 +76,7 @@ struct PeerOptions {
   std::uint64_t messages{0};               // 0: until the connection closes
   std::size_t size{4096};
   SendMode mode{SendMode::ZERO_COPY};
+  NetworkMode network{NetworkMode::TCP};
   std::uint64_t stream{1};
   std::uint64_t progress{0};
   std::chrono::seconds timeout{60};

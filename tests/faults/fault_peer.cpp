@@ -69,6 +69,7 @@ struct Options {
   std::uint64_t messages{0};
   std::size_t size{4096};
   SendMode mode{SendMode::ZERO_COPY};
+  netio3::NetworkMode network{netio3::NetworkMode::TCP};
   std::uint64_t stream{1};
   std::uint64_t progress{0};
   std::chrono::seconds timeout{60};
@@ -87,7 +88,7 @@ std::optional<T> parse_number(std::string_view text) {
   std::fprintf(stderr,
                "netio3_fault_peer: %s\nusage: netio3_fault_peer --backend NAME --role send|recv "
                "(--listen IP | --connect IP:PORT) [--messages N] [--size BYTES] "
-               "[--mode buffered|zerocopy|copy] [--stream ID] [--progress K] "
+               "[--mode buffered|zerocopy|copy] [--network tcp|rdma] [--stream ID] [--progress K] "
                "[--timeout SECONDS] [--peer-timeout-ms MS]\n",
                why.c_str());
   std::exit(2);  // NOLINT(concurrency-mt-unsafe): before any thread exists
@@ -128,6 +129,10 @@ Options parse(int argc, char** argv) {
       const auto n = parse_number<std::size_t>(value);
       if (!n || *n < netio3::faults::HEADER_BYTES) usage("--size: a number >= 16");
       o.size = *n;
+    } else if (name == "--network") {
+      const auto network = netio3::parse_network_mode(value);
+      if (!network) usage(fmt::format("unknown network mode '{}'", value));
+      o.network = *network;
     } else if (name == "--mode") {
       const auto mode = netio3::faults::parse_send_mode(value);
       if (!mode) usage(fmt::format("unknown send mode '{}'", value));
@@ -167,7 +172,7 @@ int run(const Options& o) {
     region.resize(std::max<std::size_t>(64 * (o.size - netio3::faults::HEADER_BYTES), 1));
   }
   const auto params = netio3::faults::connection_params(o.mode, o.size, region);
-  auto config = observer.config();
+  auto config = observer.config(o.network);
   if (o.peer_timeout) config.limits.peer_timeout = *o.peer_timeout;
   auto backend = netio3::Netio3Backend::create(o.backend, std::move(config), loop.loop());
 

@@ -210,6 +210,10 @@ struct Connection : detail::ConnectionBase, std::enable_shared_from_this<Connect
   std::shared_ptr<Endpoint> ep;  // from the HELLO until the close releases it
   bool ep_released{false};
   bool ep_closing{false};  // the endpoint is being closed by force: no more sends on it
+  // Its close completed: UCX no longer reads what the sends it still holds point to (it may
+  // never complete them), so the close is reported without waiting for them; the connection
+  // object stays until they complete, if ever.
+  bool ep_gone{false};
   std::uint64_t peer_token{0};
   std::uint64_t peer_max{0};
   std::uint64_t unsent_bytes{0};
@@ -1172,11 +1176,23 @@ class Backend : public std::enable_shared_from_this<Backend> {
       close_connection(conn, how, CloseKind::ERROR);
       return;
     }
-    // No CLOSE first: the peer's process ended (or it is not netio3). What arrived complete
-    // is delivered, then the connection closes (service_inbox).
-    conn->peer_error = fmt::format("{} without closing first (its process ended?)", how);
-    NETIO3_DEBUG("ucx: connection with {}: {}", conn->remote, conn->peer_error);
-    mark_dirty(*conn);
+    // No CLOSE first, which a live netio3 peer always sends, also when it closes after an
+    // error: its process ended. Its worker is gone with it, and what this side still sends
+    // there would wait for UCX to notice (shared memory: its keepalive, tens of seconds).
+    // The endpoint to it is closed by force at once - it was proven by this connection's
+    // READY, so it is the dead process's - which ends every connection with that worker;
+    // what arrived complete is delivered first (service_inbox).
+    const auto why = fmt::format("{} without closing first (its process ended?)", how);
+    std::shared_ptr<Endpoint> endpoint;
+    {
+      const std::lock_guard lock{conn->mutex};
+      endpoint = conn->ep;
+    }
+    if (endpoint) {
+      close_endpoint(endpoint, why);
+    } else {
+      on_ep_error(conn, why);
+    }
   }
 
   // Closes the control socket now (the peer sees EOF, or a reset).
@@ -1285,6 +1301,27 @@ class Backend : public std::enable_shared_from_this<Backend> {
     const auto users = endpoint->users;
     for (const auto& user : users) {
       if (auto conn = user.lock()) on_ep_error(conn, why);
+      if (m_shut_down) return;
+    }
+  }
+
+  void on_endpoint_closed(std::uint64_t id, ucs_status_t status) {
+    const auto it = m_endpoints.find(id);
+    if (it == m_endpoints.end()) return;
+    const auto endpoint = it->second;
+    m_endpoints.erase(it);
+    NETIO3_DEBUG("ucx: an endpoint closed{} ({} left)",
+                 status == UCS_OK ? std::string{} : fmt::format(": {}", status_text(status)),
+                 m_endpoints.size());
+    const auto users = endpoint->users;
+    for (const auto& user : users) {
+      const auto conn = user.lock();
+      if (!conn) continue;
+      {
+        const std::lock_guard lock{conn->mutex};
+        conn->ep_gone = true;
+      }
+      if (conn->state == State::CLOSING) advance_close(conn);
       if (m_shut_down) return;
     }
   }
@@ -1739,11 +1776,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
         on_endpoint_error(event.id, event.status);
         return;
       case Event::Kind::EP_CLOSED:
-        if (event.status != UCS_OK) {
-          NETIO3_DEBUG("ucx: closing an endpoint: {}", status_text(event.status));
-        }
-        m_endpoints.erase(event.id);
-        NETIO3_DEBUG("ucx: an endpoint closed ({} left)", m_endpoints.size());
+        on_endpoint_closed(event.id, event.status);
         return;
       default:
         break;
@@ -1786,7 +1819,9 @@ class Backend : public std::enable_shared_from_this<Backend> {
       if (done.buffer != nullptr) conn->send_pool->release(done.buffer);
       m_notifier.send_completed(conn->remote, done.key);
     }
-    if (conn->state == State::CLOSING) advance_close(conn);
+    // CLOSED: a request that outlived the report of the close (on_endpoint_closed); the
+    // connection may be freed now.
+    if (conn->state == State::CLOSING || conn->state == State::CLOSED) advance_close(conn);
   }
 
   // The connection's endpoint failed or was closed by force: UCX completes its sends.
@@ -2000,6 +2035,16 @@ class Backend : public std::enable_shared_from_this<Backend> {
       }
     }
     if (kind == CloseKind::ERROR) {
+      // A CLOSE all the same, so that the peer does not take the end of the control channel
+      // for the death of this process (on_control_end), which would end its other connections.
+      if (conn->control.valid() && conn->control_out.empty() && previous == State::OPEN) {
+        std::uint64_t sent = 0;
+        {
+          const std::lock_guard lock{conn->mutex};
+          sent = conn->tx_seq;
+        }
+        (void)detail::send_now(conn->control.get(), encode_close(sent));
+      }
       drop_control(*conn);
     } else {
       linger_control(*conn);
@@ -2018,6 +2063,11 @@ class Backend : public std::enable_shared_from_this<Backend> {
     {
       const std::lock_guard lock{conn->mutex};
       endpoint = conn->ep;
+      NETIO3_DEBUG(
+          "ucx: connection with {}: closing for {} ms, {} send request(s) held by UCX, "
+          "{} completion(s) to report",
+          conn->remote, m_config.limits.close_timeout.count(), conn->requests,
+          conn->completions_queued);
     }
     if (!endpoint) return;
     const auto idle = std::chrono::steady_clock::now() - endpoint->last_progress;
@@ -2055,9 +2105,9 @@ class Backend : public std::enable_shared_from_this<Backend> {
       bool sending = false;
       {
         const std::lock_guard lock{conn->mutex};
-        sending = conn->requests > 0 || conn->completions_queued > 0;
+        sending = (conn->requests > 0 && !conn->ep_gone) || conn->completions_queued > 0;
       }
-      if (sending) return;  // on_send_done comes back here
+      if (sending) return;  // on_send_done (or on_endpoint_closed) comes back here
       release_endpoint(*conn);
     }
     maybe_finish(conn);
@@ -2072,7 +2122,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
       std::vector<std::uint64_t> keys;
       {
         const std::lock_guard lock{conn->mutex};
-        if (conn->requests > 0 || conn->completions_queued > 0) return;
+        if ((conn->requests > 0 && !conn->ep_gone) || conn->completions_queued > 0) return;
         conn->state = State::CLOSED;
         keys = detail::cancel_all_sends(conn->ledger, conn->send_pool);
       }
@@ -2080,6 +2130,11 @@ class Backend : public std::enable_shared_from_this<Backend> {
       m_notifier.connection_ended(conn->remote, conn->was_open, conn->active(),
                                   conn->close_kind == CloseKind::LOCAL, keys, conn->close_reason);
       if (m_shut_down) return;
+    }
+    {
+      // Kept while UCX holds a request of it (its user data is one of conn->ops).
+      const std::lock_guard lock{conn->mutex};
+      if (conn->requests > 0) return;
     }
     if (conn->receiving > 0) return;
     forget(*conn);
