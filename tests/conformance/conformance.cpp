@@ -34,7 +34,7 @@ const BackendTraits& traits(BackendType type) {
                                        .honours_unsafe = true,
                                        .receive_needs_buffers = true};
   static const BackendTraits UCX{.type = BackendType::UCX,
-                                 .mode = NetworkMode::TCP,
+                                 .mode = test::mode_for(BackendType::UCX),
                                  .copy_supported = true,
                                  .zero_copy_needs_region = true,
                                  .buffered_zero_copy_exclusive = false,

@@ -21,11 +21,11 @@
 #include <fstream>
 #include <netinet/in.h>
 #include <optional>
-#include <regex>
 #include <set>
 #include <span>
 #include <sstream>
 #include <string>
+#include <string_view>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <thread>
@@ -210,14 +210,16 @@ class Ports : public ::testing::TestWithParam<Target> {
                     "--backend {} --mode {} --bind 127.0.0.1 --port 0 2>{}",
                     ulimit_args, log_level, NETIO3_PERF, to_string(GetParam().type),
                     to_string(GetParam().mode), m_log_path)});
-    const std::regex listening{R"(listening on 127\.0\.0\.1:(\d+))"};
-    std::smatch match;
-    EXPECT_TRUE(server->read_until(
-        [&](const std::string& out) { return std::regex_search(out, match, listening); },
-        Clock::now() + 30s))
+    constexpr std::string_view LISTENING = "listening on 127.0.0.1:";
+    const auto port_line = [&](const std::string& out) {
+      const auto at = out.find(LISTENING);
+      return at != std::string::npos && out.find('\n', at) != std::string::npos;
+    };
+    EXPECT_TRUE(server->read_until(port_line, Clock::now() + 30s))
         << server->out() << server_log();
-    if (!std::regex_search(server->out(), match, listening)) return nullptr;
-    m_port = static_cast<std::uint16_t>(std::stoul(match[1]));
+    if (!port_line(server->out())) return nullptr;
+    m_port = static_cast<std::uint16_t>(
+        std::stoul(server->out().substr(server->out().find(LISTENING) + LISTENING.size())));
     return server;
 #else
     (void)ulimit_args;

@@ -74,7 +74,7 @@ class Churn : public ::testing::TestWithParam<BackendType> {
   [[nodiscard]] std::unique_ptr<NetworkBackend> make(
       Recorder& rec, test::LoopThread& loop,
       ThreadSafetyModel model = ThreadSafetyModel::SAFE) const {
-    return Netio3Backend::create(GetParam(), rec.config(model, NetworkMode::TCP), loop.loop());
+    return Netio3Backend::create(GetParam(), rec.config(model, test::mode_for(GetParam())), loop.loop());
   }
 };
 
@@ -102,7 +102,7 @@ TEST(DISABLED_ChurnClient, Cycles) {
   Recorder rec;
   rec.keep_data(false);
   test::LoopThread loop;
-  auto backend = Netio3Backend::create(*type, rec.config(ThreadSafetyModel::SAFE, NetworkMode::TCP),
+  auto backend = Netio3Backend::create(*type, rec.config(ThreadSafetyModel::SAFE, test::mode_for(*type)),
                                        loop.loop());
   const auto cycle = [&](std::size_t n) {
     backend->open_active_endpoint(listen, endpoint_params());
@@ -197,18 +197,8 @@ TEST_P(Churn, ThousandConnectCloseCyclesReturnToBaseline) {
 // (refused, or established and then closed), the server reports a close for every
 // connection it reported established, and the fds come back. One backend is server and
 // clients: it listens on 0.0.0.0 and connects through 127.0.0.1, 127.0.0.2, ... (distinct
-// remote addresses for the same listener). For UCX that means one worker; with several
-// workers in one process, churn trips assertions inside UCX 1.13 (see the hammer below).
+// remote addresses for the same listener).
 TEST_P(Churn, ListenerClosedDuringSetUpEndsEveryConnectionOnce) {
-  if (GetParam() == BackendType::UCX) {
-    // Seen in about one run in six of this test, inside UCX on its async thread:
-    // tcp_sockcm_ep.c:416 asserts on an endpoint that is neither a created server endpoint
-    // nor a rejected one, and aborts the process. netio3 keeps closed UCX listeners for a
-    // grace period (which fixed a certain segfault here) and rejects inside the connection-
-    // request callback; the assertion remains.
-    GTEST_SKIP() << "UCX 1.13 tcp sockcm can abort (tcp_sockcm_ep.c:416) when connection "
-                    "requests race with the listener's close; see docs/ucx.md";
-  }
   constexpr std::size_t CLIENTS = 6;
   constexpr std::size_t ROUNDS = 10;
   // A client whose request the closing listener drops may only learn at its set-up
@@ -219,7 +209,7 @@ TEST_P(Churn, ListenerClosedDuringSetUpEndsEveryConnectionOnce) {
     test::LoopThread loop;
     Recorder rec;
     rec.keep_data(false);
-    auto config = rec.config(ThreadSafetyModel::SAFE, NetworkMode::TCP);
+    auto config = rec.config(ThreadSafetyModel::SAFE, test::mode_for(GetParam()));
     config.limits.connect_timeout = CONNECT_TIMEOUT;
     auto backend = Netio3Backend::create(GetParam(), std::move(config), loop.loop());
     const auto listen = backend->open_listen_endpoint({"0.0.0.0", 0}, endpoint_params());
@@ -315,7 +305,7 @@ TEST_P(Churn, SafeModeHammeredFromManyThreadsKeepsExactAccounts) {
   const auto is_target = [&](const EndPointAddress& remote) {
     return std::find(targets.begin(), targets.end(), remote) != targets.end();
   };
-  NetworkConfig config{.mode = NetworkMode::TCP, .thread_safety = ThreadSafetyModel::SAFE};
+  NetworkConfig config{.mode = test::mode_for(GetParam()), .thread_safety = ThreadSafetyModel::SAFE};
   config.on_send_completed_cb = [&](const EndPointAddress&, std::uint64_t key) {
     const std::lock_guard lock{mutex};
     end_key(key, "completion");

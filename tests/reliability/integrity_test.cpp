@@ -134,7 +134,7 @@ enum class Attempt { SENT, NO_RESOURCES, GONE };
 class Side {
  public:
   Side(BackendType type, ThreadSafetyModel model, Sync& sync) : m_model{model}, m_sync{sync} {
-    NetworkConfig config{.mode = NetworkMode::TCP, .thread_safety = model};
+    NetworkConfig config{.mode = test::mode_for(type), .thread_safety = model};
     config.on_data_cb = [this](std::span<const std::uint8_t> data) { on_data(data); };
     config.on_connection_established_cb = [this](const EndPointAddress& remote,
                                                  EndpointCapabilities) {

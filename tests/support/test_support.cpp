@@ -15,6 +15,15 @@
 
 namespace netio3::test {
 
+NetworkMode mode_for(BackendType type) {
+  if (type != BackendType::UCX) return NetworkMode::TCP;
+  const char* env = std::getenv("NETIO3_TEST_UCX_MODE");
+  if (env == nullptr || *env == '\0') return NetworkMode::TCP;
+  const auto mode = parse_network_mode(env);
+  if (!mode) throw std::invalid_argument(fmt::format("NETIO3_TEST_UCX_MODE={}: not tcp or rdma", env));
+  return *mode;
+}
+
 const std::string& test_address() {
   static const std::string address = [] {
     const char* env = std::getenv("NETIO3_TEST_ADDRESS");

@@ -28,6 +28,11 @@ inline constexpr std::chrono::milliseconds DEFAULT_TIMEOUT = 30s;
 // 127.0.0.1 (on a verbs host, the address of an RDMA-capable interface).
 [[nodiscard]] const std::string& test_address();
 
+// The network mode the suites use with a backend: NetworkMode::TCP, but for UCX the value of
+// NETIO3_TEST_UCX_MODE ("tcp" or "rdma"), so that ctest runs the conformance and reliability
+// suites once more with UCX's shared-memory and RDMA transports (tests/CMakeLists.txt).
+[[nodiscard]] NetworkMode mode_for(BackendType type);
+
 // Number of open file descriptors of this process (/proc/self/fd).
 [[nodiscard]] std::size_t open_fd_count();
 // Resident set size of this process in bytes (/proc/self/statm).

@@ -48,6 +48,16 @@ class EnoughDescriptors {
   rlim_t m_have{0};
 };
 
+template <typename Pred>
+bool eventually(Pred pred, std::chrono::milliseconds timeout) {
+  const auto deadline = Clock::now() + timeout;
+  while (!pred()) {
+    if (Clock::now() > deadline) return false;
+    std::this_thread::sleep_for(5ms);
+  }
+  return true;
+}
+
 // A thousand connections between two backends of one process (a listener each: a backend
 // holds one connection per remote address), every one established on both sides, one
 // message each way delivered, then all closed and the descriptors back where they were. They
@@ -121,6 +131,8 @@ TEST(UcxScale, AThousandConnectionsInOneProcess) {
     for (const auto& listener : listeners) server->close_listen_endpoint(listener);
     client.reset();
     server.reset();
+    // UCX closes the sockets of its lanes a little after its endpoints.
+    const bool back = eventually([&] { return open_fd_count() <= fds_before; }, 10s);
     const auto ms = [](auto d) {
       return std::chrono::duration_cast<std::chrono::milliseconds>(d).count();
     };
@@ -129,7 +141,8 @@ TEST(UcxScale, AThousandConnectionsInOneProcess) {
               << " ms, message each way and closed in " << ms(closed - established)
               << " ms; descriptors " << fds_before << " -> " << fds_open
               << " with the listeners open -> " << open_fd_count() << " after\n";
-    EXPECT_LE(open_fd_count(), fds_before + 2) << "descriptors stayed behind";
+    EXPECT_TRUE(back) << "descriptors stayed behind: " << open_fd_count() << ", before "
+                      << fds_before;
   }
 }
 
@@ -231,19 +244,9 @@ class RawUcp {
   std::jthread m_thread;
 };
 
-template <typename Pred>
-bool eventually(Pred pred, std::chrono::milliseconds timeout) {
-  const auto deadline = Clock::now() + timeout;
-  while (!pred()) {
-    if (Clock::now() > deadline) return false;
-    std::this_thread::sleep_for(5ms);
-  }
-  return true;
-}
-
 // netio3's UCX backend up to protocol 2 listened with UCX's connection manager, which waits
 // for a connection request of its own format and never greets. A client of protocol 3 gives
-// up after the server-greeting deadline (2 s), not after limits.connect_timeout, with a reason;
+// up after the server-greeting deadline (5 s), not after limits.connect_timeout, with a reason;
 // the old server never sees a connection request.
 TEST(UcxOldProtocol, AClientGivesUpOnAServerOfProtocol2Quickly) {
   RawUcp old_server;
@@ -259,9 +262,9 @@ TEST(UcxOldProtocol, AClientGivesUpOnAServerOfProtocol2Quickly) {
   const auto begin = Clock::now();
   client->open_active_endpoint(server, {.send_buffered_params = {.buf_size = 64, .num_buf = 2}});
   ASSERT_TRUE(
-      rec.wait([](const Recorder& r) { return r.count(Recorder::Kind::REFUSED) == 1; }, 10s));
+      rec.wait([](const Recorder& r) { return r.count(Recorder::Kind::REFUSED) == 1; }, 20s));
   const auto elapsed = Clock::now() - begin;
-  EXPECT_LT(elapsed, 5s);
+  EXPECT_LT(elapsed, 8s);
   EXPECT_EQ(rec.count_now(Recorder::Kind::ESTABLISHED), 0U);
   EXPECT_EQ(old_server.requests.load(), 0);
   std::cout << "[ interop  ] refused by a protocol-2 server after "
