@@ -41,12 +41,16 @@ LATENCY_SIZES = [64, 4096]
 MAX_SIZE = 1048576 + 64  # netio3-perf --max-size: the largest message plus room for headers
 COPY_BACKENDS = {"asyncmsg", "ucx"}  # send_data_copy is supported there
 SOCKPERF_MAX = 1048575  # sockperf's largest -m
-GROUPS = ["netio3", "iperf3", "sockperf", "ucx_perftest", "raw-fabric", "zmq"]
+GROUPS = ["netio3", "iperf3", "sockperf", "ucx_perftest", "raw-fabric", "zmq", "same-host"]
 # The order of one round: (group, netio3 backend or None). Each netio3 backend sits next to
 # its references; every other round runs this list backwards.
 ROUND_ORDER = [("netio3", "asyncmsg"), ("iperf3", None), ("sockperf", None), ("zmq", None),
                ("netio3", "ucx"), ("ucx_perftest", None), ("netio3", "libfabric"),
-               ("raw-fabric", None)]
+               ("raw-fabric", None), ("same-host", "ucx-rdma"), ("same-host", None)]
+# The same-host section: two processes of one host, UCX in NetworkMode::RDMA (shared memory)
+# against ucp_am_bw over UCX's shared-memory transports, both sleeping in the kernel between
+# events (netio3 does not busy-poll here; ucx_perftest runs with -E sleep).
+SHM_TLS = "posix,cma,self"
 
 KEYS = ["tool", "backend", "mode", "send", "test", "size", "connections", "threads",
         "duration_s", "messages", "bytes", "msgs_per_s", "bytes_per_s", "gbit_per_s",
@@ -340,8 +344,13 @@ class Runner:
                 [(s, "latency", n) for n in self.latency_sizes for s in sends])
 
     def netio3(self, backend):
+        """A netio3 backend; 'ucx-rdma' is UCX in NetworkMode::RDMA (the same-host section):
+        zero-copy and buffered throughput, no busy polling, UCX's choice of transports."""
+        rdma = backend == "ucx-rdma"
+        label_backend, backend = backend, ("ucx" if rdma else backend)
         perf = self.bins["netio3-perf"]
-        plan = self.netio3_plan(backend)
+        plan = ([(s, "throughput", n) for n in self.sizes for s in ("zero-copy", "buffered")]
+                if rdma else self.netio3_plan(backend))
         why = None
         if not perf.exists():
             why = f"{rel(perf)} not built"
@@ -356,29 +365,34 @@ class Runner:
                 self.available = set(re.findall(r"[a-z]+", listed))
             if backend not in self.available:
                 why = "backend not compiled in (netio3-perf --list-backends)"
+        group = "same-host" if rdma else "netio3"
         if why:
             for send, test, size in plan:
-                self.add(failed(f"{backend} {send}", "netio3", test, size, why,
+                self.add(failed(f"{label_backend} {send}", group, test, size, why,
                                 status="missing", tool="netio3-perf", backend=backend,
                                 send=send))
             return
-        # UCX over TCP for both processes, as for ucx_perftest.
-        env = self.env(UCX_TLS="tcp") if backend == "ucx" else self.env()
+        # UCX over TCP for both processes, as for ucx_perftest; in RDMA mode UCX's own choice.
+        if rdma:
+            env = {k: v for k, v in self.env().items() if k != "UCX_TLS"}
+        else:
+            env = self.env(UCX_TLS="tcp") if backend == "ucx" else self.env()
         d = self.args.duration
+        mode = "rdma" if rdma else "tcp"
 
         # Polling like the reference: ucx_perftest and netio3-raw-fabric busy-poll, so the
         # UCX and libfabric runs do too (EpollEventLoop busy_poll); iperf3, sockperf and
-        # ZeroMQ sleep in the kernel, and so does asyncmsg here.
-        poll = self.args.busy_poll if backend in ("ucx", "libfabric") else 0
+        # ZeroMQ sleep in the kernel, and so do asyncmsg and the same-host runs here.
+        poll = self.args.busy_poll if backend in ("ucx", "libfabric") and not rdma else 0
         poll_args = ["--busy-poll", poll]
 
         def client_argv(address, send, test, size):
-            return [perf, "--client", address, "--backend", backend, "--mode", "tcp",
+            return [perf, "--client", address, "--backend", backend, "--mode", mode,
                     "--send", send, "--size", size, "--duration", d, "--test", test] + poll_args
 
         self.run_json_suite(
-            "netio3", f"netio3-{backend}", lambda send, test: f"{backend} {send}",
-            [perf, "--server", "--backend", backend, "--mode", "tcp", "--bind", HOST,
+            group, f"netio3-{label_backend}", lambda send, test: f"{label_backend} {send}",
+            [perf, "--server", "--backend", backend, "--mode", mode, "--bind", HOST,
              "--max-size", MAX_SIZE] + poll_args, client_argv, plan, env)
 
     def raw(self, group, key, server_extra, labels):
@@ -545,18 +559,32 @@ class Runner:
         put = os.environ.get("UCX_TCP_PUT_ENABLE", "n")
         return self.env(UCX_TLS="tcp", UCX_TCP_PUT_ENABLE=put), put
 
-    def ucx_once(self, label, size, iterations, tag):
+    def ucx_perftest_shm(self):
+        """The same-host reference: ucp_am_bw over UCX's shared-memory transports, sleep mode."""
+        for size in self.sizes:
+            try:
+                self.add(self.ucx_run("ucp_am_bw", "throughput", size, shm=True))
+            except RunError as e:
+                self.add(failed("ucp_am_bw shm", "same-host", "throughput", size, str(e),
+                                tool="ucx_perftest", backend="ucx"))
+
+    def ucx_once(self, label, size, iterations, tag, shm=False):
         """One ucx_perftest server + client; returns the numbers of its final line."""
         env, _ = self.ucx_reference_env()
+        extra = []
+        if shm:
+            env = dict(env, UCX_TLS=SHM_TLS)
+            env.pop("UCX_TCP_PUT_ENABLE", None)
+            extra = ["-E", "sleep"]
         port = free_port()
-        server = Server(f"ucx_perftest-{label}-{size}", ["ucx_perftest", "-p", port], self.logs,
-                        env=env, port=port)
+        server = Server(f"ucx_perftest-{label}-{size}{'-shm' if shm else ''}",
+                        ["ucx_perftest", "-p", port] + extra, self.logs, env=env, port=port)
         warmup = min(10000, max(10, iterations // 10))
         try:
             rc, output = self.client(
-                f"ucx_perftest-{label}-{size}-{tag}",
+                f"ucx_perftest-{label}-{size}-{tag}{'-shm' if shm else ''}",
                 ["ucx_perftest", HOST, "-p", port, "-t", label, "-s", size, "-n", iterations,
-                 "-w", warmup, "-f"], env=env)
+                 "-w", warmup, "-f"] + extra, env=env)
         finally:
             server.wait_exit(5)
         # With -f the result is one line of 8 numbers ('Final:' in front without -f).
@@ -567,7 +595,7 @@ class Runner:
         # iterations, p50 (or latency percentile), average, overall, MB/s average, overall,
         # msg/s average, overall
 
-    def ucx_run(self, label, test, size):
+    def ucx_run(self, label, test, size, shm=False):
         # ucx_perftest runs a number of iterations, not a time: a short calibration run
         # first, then as many iterations as fit in --duration at the calibrated rate.
         if test == "throughput":
@@ -577,9 +605,16 @@ class Runner:
             guess = 20000.0
             rate = lambda v: 1e6 / (2 * v[3])  # noqa: E731 - round trips per second
         _, put = self.ucx_reference_env()
-        calibration = self.ucx_once(label, size, max(20, int(guess * 0.2)), "calibration")
+        calibration = self.ucx_once(label, size, max(20, int(guess * 0.2)), "calibration", shm)
         iterations = max(100, int(rate(calibration) * self.args.duration))
-        v = self.ucx_once(label, size, iterations, "run")
+        v = self.ucx_once(label, size, iterations, "run", shm)
+        if shm:
+            per_s = v[7]
+            return record("ucp_am_bw shm", "same-host", tool="ucx_perftest", backend="ucx",
+                          send="ucp_am_bw", test=test, size=size, duration_s=v[0] / per_s,
+                          messages=int(v[0]), bytes=int(v[0]) * size, msgs_per_s=per_s,
+                          bytes_per_s=per_s * size,
+                          note=f"UCX_TLS={SHM_TLS}, -E sleep; overall message rate")
         if test == "throughput":
             per_s = v[7]
             return record(label, "ucx_perftest", tool="ucx_perftest", backend="ucx",
@@ -614,8 +649,10 @@ class Runner:
         for group, backend in ROUND_ORDER:
             if group not in self.args.only:
                 continue
-            if group == "netio3":
+            if backend is not None:
                 units.append((f"netio3 {backend}", lambda b=backend: self.netio3(b)))
+            elif group == "same-host":
+                units.append(("ucp_am_bw shm", self.ucx_perftest_shm))
             else:
                 units.append((group, steps[group]))
         return units
@@ -735,6 +772,17 @@ def ratio_rows(summaries, sizes, latency_sizes, rounds):
     for size in latency_sizes:
         specs.append(("libfabric buffered / raw-libfabric latency p50", size,
                       "libfabric buffered", "latency", "raw-libfabric", "latency", "p50", None))
+    # Same host: UCX in RDMA mode (shared memory) against UCX's own shared-memory reference
+    # and against asyncmsg over loopback TCP.
+    for send in ("zero-copy", "buffered"):
+        for size in sizes:
+            specs.append((f"ucx-rdma {send} / ucp_am_bw shm msg rate", size, f"ucx-rdma {send}",
+                          "throughput", "ucp_am_bw shm", "throughput", "rate",
+                          (">=", 0.7) if size == 1048576 and send == "zero-copy" else None))
+    for size in sizes:
+        specs.append(("ucx-rdma zero-copy / asyncmsg zero-copy bandwidth", size,
+                      "ucx-rdma zero-copy", "throughput", "asyncmsg zero-copy", "throughput", "bw",
+                      (">=", 2.5) if size == 1048576 else None))
 
     def passes(ratio, target):
         op, t = target

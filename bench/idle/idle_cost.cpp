@@ -105,6 +105,7 @@ const char* const USAGE = R"(usage: netio3-bench-idle [options]
                               listener per connection, clients connect to 127.0.0.1:<port>;
                               auto: ports for ucx (UCX 1.13 accepts only on interface
                               addresses), ips otherwise (default auto)
+  --mode tcp|rdma              NetworkConfig::mode (default tcp; rdma: UCX picks shared memory)
   --setup-timeout S           per connection count (default 60)
   --json FILE                 append one JSON line per backend and receive set-up
 A connection is a pair (active + accepted endpoint), both in this process; each
@@ -157,6 +158,7 @@ struct Options {
   std::size_t batch{64};
   std::size_t retries{5};
   Addressing addressing{Addressing::AUTO};
+  netio3::NetworkMode mode{netio3::NetworkMode::TCP};
   double setup_timeout{60.0};
   std::string json_path;
   bool child{false};
@@ -272,6 +274,10 @@ Options parse_options(int argc, char** argv) {
       } else {
         throw UsageError(fmt::format("--addressing: '{}' is not auto, ips or ports", a));
       }
+    } else if (name == "--mode") {
+      const auto mode = netio3::parse_network_mode(value());
+      if (!mode) throw UsageError("--mode: tcp or rdma");
+      o.mode = *mode;
     } else if (name == "--setup-timeout") {
       o.setup_timeout = parse_seconds(name, value());
     } else if (name == "--json") {
@@ -457,8 +463,7 @@ int run_child(const Options& o) {
   raise_fd_limit();
 
   Tally tally;
-  netio3::NetworkConfig config{.mode = netio3::NetworkMode::TCP,
-                               .thread_safety = netio3::ThreadSafetyModel::SAFE};
+  netio3::NetworkConfig config{.mode = o.mode, .thread_safety = netio3::ThreadSafetyModel::SAFE};
   if (recv == Recv::SHARED) {
     config.shared_receive_buffers = {
         .use_shared_receive_buffers = true, .buf_size = o.buf_size, .num_buf = o.num_buf};
@@ -785,6 +790,8 @@ Run run_one(const Options& o, BackendType backend, Recv recv) {
                                       fmt::format("{}", o.retries),
                                       "--addressing",
                                       std::string{to_string(o.addressing)},
+                                      "--mode",
+                                      std::string{netio3::to_string(o.mode)},
                                       "--setup-timeout",
                                       fmt::format("{}", o.setup_timeout)};
   std::vector<char*> argv;

@@ -451,7 +451,7 @@ TEST_F(HostileAsyncmsg, MaxMessageSizeBoundary) {
     EXPECT_TRUE(m_checker.wait_received(stream, seq, PROMPT)) << m_logs.dump();
     EXPECT_TRUE(sender.recorder().wait(
         [&](const Recorder& r) { return r.count(Recorder::Kind::ESTABLISHED) == 1; }));
-    EXPECT_TRUE(poll_until([&] { return sender.completed() == seq; }, PROMPT))
+    EXPECT_TRUE(netio3::test::eventually([&] { return sender.completed() == seq; }, PROMPT))
         << "completions: " << sender.completed() << " of " << seq
         << " (a FAILED send must never complete)";
     EXPECT_FALSE(sender.saw_key(BAD_KEY)) << "a send that returned FAILED completed";

@@ -149,39 +149,6 @@ std::string crafted_length_header(std::uint64_t length) {
   return b;
 }
 
-// Re-checks `pred` until it holds or `timeout` passes (for what nothing notifies about: a
-// log file, another process's state).
-template <typename Pred>
-bool eventually(Pred pred, std::chrono::milliseconds timeout) {
-  const auto deadline = Clock::now() + timeout;
-  while (!pred()) {
-    if (Clock::now() >= deadline) return false;
-    std::this_thread::sleep_for(20ms);
-  }
-  return true;
-}
-
-class DescriptorLimit {
- public:
-  explicit DescriptorLimit(rlim_t want) {
-    ::getrlimit(RLIMIT_NOFILE, &m_saved);
-    rlimit raised = m_saved;
-    raised.rlim_cur = std::max(m_saved.rlim_cur, std::min(want, m_saved.rlim_max));
-    ::setrlimit(RLIMIT_NOFILE, &raised);
-    m_have = raised.rlim_cur;
-  }
-  ~DescriptorLimit() { ::setrlimit(RLIMIT_NOFILE, &m_saved); }
-  DescriptorLimit(const DescriptorLimit&) = delete;
-  DescriptorLimit& operator=(const DescriptorLimit&) = delete;
-  DescriptorLimit(DescriptorLimit&&) = delete;
-  DescriptorLimit& operator=(DescriptorLimit&&) = delete;
-  [[nodiscard]] rlim_t have() const { return m_have; }
-
- private:
-  rlimit m_saved{};
-  rlim_t m_have{0};
-};
-
 class Ports : public ::testing::TestWithParam<Target> {
  protected:
   void SetUp() override {
@@ -215,8 +182,7 @@ class Ports : public ::testing::TestWithParam<Target> {
       const auto at = out.find(LISTENING);
       return at != std::string::npos && out.find('\n', at) != std::string::npos;
     };
-    EXPECT_TRUE(server->read_until(port_line, Clock::now() + 30s))
-        << server->out() << server_log();
+    EXPECT_TRUE(server->read_until(port_line, Clock::now() + 30s)) << server->out() << server_log();
     if (!port_line(server->out())) return nullptr;
     m_port = static_cast<std::uint16_t>(
         std::stoul(server->out().substr(server->out().find(LISTENING) + LISTENING.size())));

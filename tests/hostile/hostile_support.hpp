@@ -329,19 +329,6 @@ class LogCapture {
   netio3::LogLevel m_previous;
 };
 
-// Re-checks a condition until it holds or the deadline passes. Only for quantities that no
-// callback reports (fd counts, kernel socket queues); everything else waits on a
-// condition variable or poll().
-template <typename Pred>
-inline bool poll_until(Pred pred, std::chrono::milliseconds timeout) {
-  const auto deadline = Clock::now() + timeout;
-  while (!pred()) {
-    if (Clock::now() >= deadline) return false;
-    std::this_thread::sleep_for(1ms);
-  }
-  return true;
-}
-
 inline std::chrono::milliseconds remaining(Clock::time_point deadline) {
   const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
   return std::max(left, 0ms);
@@ -769,7 +756,7 @@ class HostileListener : public ::testing::Test {
   void wait_consumed(const RawPeer& peer) {
     const int server_fd = server_socket_for(m_listen, peer.local());
     ASSERT_GE(server_fd, 0) << "server socket for " << peer.local() << " not found";
-    EXPECT_TRUE(poll_until(
+    EXPECT_TRUE(netio3::test::eventually(
         [&] {
           int queued = 0;
           if (::ioctl(server_fd, SIOCINQ, &queued) != 0) return true;  // already closed
@@ -806,8 +793,8 @@ class HostileListener : public ::testing::Test {
       EXPECT_TRUE(m_checker.wait_received(stream, 20, PROMPT)) << m_logs.dump();
     }
 
-    const bool back =
-        poll_until([&] { return netio3::test::open_fd_count() <= m_fd_baseline; }, PROMPT);
+    const bool back = netio3::test::eventually(
+        [&] { return netio3::test::open_fd_count() <= m_fd_baseline; }, PROMPT);
     if (!m_check_fds) {
       std::printf("[ info     ] fds: baseline %zu, after the attack %zu (not checked: %s)\n",
                   m_fd_baseline, netio3::test::open_fd_count(), m_why_fds_unchecked.c_str());

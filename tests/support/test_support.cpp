@@ -8,6 +8,7 @@
 #include <future>
 #include <netinet/in.h>
 #include <stdexcept>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <system_error>
 #include <tuple>
@@ -15,12 +16,32 @@
 
 namespace netio3::test {
 
+DescriptorLimit::DescriptorLimit(std::size_t want) {
+  rlimit limit{};
+  ::getrlimit(RLIMIT_NOFILE, &limit);
+  m_saved_soft = static_cast<std::size_t>(limit.rlim_cur);
+  if (limit.rlim_cur < want) {
+    limit.rlim_cur = std::min(static_cast<rlim_t>(want), limit.rlim_max);
+    ::setrlimit(RLIMIT_NOFILE, &limit);
+  }
+  ::getrlimit(RLIMIT_NOFILE, &limit);
+  m_have = static_cast<std::size_t>(limit.rlim_cur);
+}
+
+DescriptorLimit::~DescriptorLimit() {
+  rlimit limit{};
+  ::getrlimit(RLIMIT_NOFILE, &limit);
+  limit.rlim_cur = static_cast<rlim_t>(m_saved_soft);
+  ::setrlimit(RLIMIT_NOFILE, &limit);
+}
+
 NetworkMode mode_for(BackendType type) {
   if (type != BackendType::UCX) return NetworkMode::TCP;
   const char* env = std::getenv("NETIO3_TEST_UCX_MODE");
   if (env == nullptr || *env == '\0') return NetworkMode::TCP;
   const auto mode = parse_network_mode(env);
-  if (!mode) throw std::invalid_argument(fmt::format("NETIO3_TEST_UCX_MODE={}: not tcp or rdma", env));
+  if (!mode)
+    throw std::invalid_argument(fmt::format("NETIO3_TEST_UCX_MODE={}: not tcp or rdma", env));
   return *mode;
 }
 

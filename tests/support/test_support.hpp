@@ -38,6 +38,36 @@ inline constexpr std::chrono::milliseconds DEFAULT_TIMEOUT = 30s;
 // Resident set size of this process in bytes (/proc/self/statm).
 [[nodiscard]] std::size_t rss_bytes();
 
+// Re-checks `pred` until it holds or `timeout` passes. Only for what nothing notifies about
+// (descriptor counts, another process's state, a log file); everything else waits on a
+// condition variable or poll().
+template <typename Pred>
+bool eventually(Pred pred, std::chrono::milliseconds timeout) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  while (!pred()) {
+    if (std::chrono::steady_clock::now() >= deadline) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds{2});
+  }
+  return true;
+}
+
+// Raises the soft RLIMIT_NOFILE to at least `want` (within the hard limit) for the scope.
+class DescriptorLimit {
+ public:
+  explicit DescriptorLimit(std::size_t want);
+  ~DescriptorLimit();
+  DescriptorLimit(const DescriptorLimit&) = delete;
+  DescriptorLimit& operator=(const DescriptorLimit&) = delete;
+  DescriptorLimit(DescriptorLimit&&) = delete;
+  DescriptorLimit& operator=(DescriptorLimit&&) = delete;
+  // The soft limit now in force.
+  [[nodiscard]] std::size_t have() const { return m_have; }
+
+ private:
+  std::size_t m_saved_soft{0};
+  std::size_t m_have{0};
+};
+
 // A plain TCP socket listening on 127.0.0.1 at a port the OS chose. It accepts nothing by
 // itself (connections stay in its backlog): a peer that never speaks. Closed on destruction.
 class RawListener {

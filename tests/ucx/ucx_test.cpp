@@ -26,38 +26,6 @@ namespace {
 using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
 
-// Raises the soft descriptor limit to at least `want` (within the hard limit) for the scope.
-class EnoughDescriptors {
- public:
-  explicit EnoughDescriptors(rlim_t want) {
-    ::getrlimit(RLIMIT_NOFILE, &m_saved);
-    rlimit raised = m_saved;
-    raised.rlim_cur = std::max(m_saved.rlim_cur, std::min(want, m_saved.rlim_max));
-    ::setrlimit(RLIMIT_NOFILE, &raised);
-    m_have = raised.rlim_cur;
-  }
-  ~EnoughDescriptors() { ::setrlimit(RLIMIT_NOFILE, &m_saved); }
-  EnoughDescriptors(const EnoughDescriptors&) = delete;
-  EnoughDescriptors& operator=(const EnoughDescriptors&) = delete;
-  EnoughDescriptors(EnoughDescriptors&&) = delete;
-  EnoughDescriptors& operator=(EnoughDescriptors&&) = delete;
-  [[nodiscard]] rlim_t have() const { return m_have; }
-
- private:
-  rlimit m_saved{};
-  rlim_t m_have{0};
-};
-
-template <typename Pred>
-bool eventually(Pred pred, std::chrono::milliseconds timeout) {
-  const auto deadline = Clock::now() + timeout;
-  while (!pred()) {
-    if (Clock::now() > deadline) return false;
-    std::this_thread::sleep_for(5ms);
-  }
-  return true;
-}
-
 // A thousand connections between two backends of one process (a listener each: a backend
 // holds one connection per remote address), every one established on both sides, one
 // message each way delivered, then all closed and the descriptors back where they were. They
@@ -65,7 +33,7 @@ bool eventually(Pred pred, std::chrono::milliseconds timeout) {
 // connection manager endpoint) do not grow with them.
 TEST(UcxScale, AThousandConnectionsInOneProcess) {
   constexpr std::size_t CONNECTIONS = 1000;
-  const EnoughDescriptors fds{8192};
+  const DescriptorLimit fds{8192};
   if (fds.have() < 4 * CONNECTIONS) {
     GTEST_SKIP() << "RLIMIT_NOFILE allows " << fds.have() << " descriptors: too few for "
                  << CONNECTIONS << " connections";
