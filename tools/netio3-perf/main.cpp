@@ -246,8 +246,11 @@ int run_server(const Args& args) {
   std::cout << fmt::format("listening on {}", server->address()) << std::endl;
   int signal = 0;
   sigwait(&signals, &signal);
-  server.reset();
+  // The loop first: once it has stopped no callback runs, and the server (the backend's
+  // facade shuts it down inline then) can go without racing one that is under way.
   loop->stop();
+  thread.join();
+  server.reset();
   return 0;
 }
 
