@@ -31,6 +31,22 @@ build() {
   cmake --build --preset "$preset"
 }
 
+# After a red run: the output of each failed test (its last 80 lines), at the end of the log
+# where a CI summary that keeps only the tail still shows why.
+show_failures() {
+  local dir=$1/Testing/Temporary
+  [[ -f $dir/LastTestsFailed.log && -f $dir/LastTest.log ]] || return 0
+  local line name
+  while IFS= read -r line; do
+    name=${line#*:}
+    printf '\n=== output of the failed test %s\n' "$name"
+    awk -v name="$name" '
+      $0 ~ "^[0-9]+/[0-9]+ Testing: " && substr($0, index($0, ": ") + 2) == name { on = 1; next }
+      on && /^Test (Passed|Failed)|^"[^"]*" end time/ { exit }
+      on { print }' "$dir/LastTest.log" | tail -n 80
+  done <"$dir/LastTestsFailed.log"
+}
+
 cmd=${1:-}
 case "$cmd" in
   demo)
@@ -42,7 +58,10 @@ case "$cmd" in
     preset=${2:-release}
     install_missing
     build "$preset"
-    ctest --preset "$preset" -j "$(nproc)"
+    if ! ctest --preset "$preset" -j "$(nproc)"; then
+      show_failures "build/$preset"
+      exit 1
+    fi
     ;;
   *)
     echo "usage: tools/run.sh demo [demo options] | tools/run.sh test [release|debug|asan|tsan]" >&2

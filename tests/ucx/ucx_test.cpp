@@ -10,6 +10,7 @@
 #include <sys/resource.h>
 #include <thread>
 #include <ucp/api/ucp.h>
+#include <ucs/algorithm/crc.h>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -296,6 +297,17 @@ TEST(UcxAddress, OwnAddressesParseAndTruncationsAreRefused) {
     ASSERT_EQ(forged_parsed.error, "");
     if (mode == NetworkMode::TCP) {
       EXPECT_TRUE(ucx::impersonates(forged_parsed, parsed));
+    }
+    // RDMA mode leaves out UCX's shared-memory FIFO transports (a peer killed while it writes
+    // into this worker's FIFO would stop it receiving from anyone: ucp.hpp) and keeps CMA.
+    const auto has = [&](const char* name) {
+      return std::any_of(parsed.transports.begin(), parsed.transports.end(), [&](const auto& t) {
+        return t.name_checksum == ucs_crc16_string(name);
+      });
+    };
+    if (mode == NetworkMode::RDMA && std::getenv("UCX_TLS") == nullptr) {
+      for (const char* fifo : {"posix", "sysv", "xpmem"}) EXPECT_FALSE(has(fifo)) << fifo;
+      EXPECT_TRUE(has("cma")) << "same-host bulk data goes by CMA";
     }
     std::cout << "[ address  ] " << to_string(mode) << ": " << address.size() << " bytes, "
               << parsed.transports.size() << " transports\n";

@@ -191,7 +191,7 @@ TEST(UcxTransports, ModeChoosesAndUcxTlsWins) {
   const std::string previous = saved != nullptr ? saved : "";
   ::unsetenv("UCX_TLS");
   EXPECT_EQ(choose_transports(NetworkMode::TCP).tls, "tcp");
-  EXPECT_EQ(choose_transports(NetworkMode::RDMA).tls, "");
+  EXPECT_EQ(choose_transports(NetworkMode::RDMA).tls, RDMA_TRANSPORTS);
   EXPECT_FALSE(choose_transports(NetworkMode::TCP).from_environment);
   ::setenv("UCX_TLS", "rc,sm", 1);
   const auto chosen = choose_transports(NetworkMode::TCP);

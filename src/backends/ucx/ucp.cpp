@@ -32,7 +32,7 @@ TransportChoice choose_transports(NetworkMode mode) {
   if (const char* env = std::getenv("UCX_TLS"); env != nullptr && *env != '\0') {
     return {env, true};
   }
-  return {mode == NetworkMode::TCP ? "tcp" : "", false};
+  return {mode == NetworkMode::TCP ? "tcp" : std::string{RDMA_TRANSPORTS}, false};
 }
 
 namespace {
