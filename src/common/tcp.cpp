@@ -97,14 +97,7 @@ std::pair<Socket, EndPointAddress> listen_tcp(const EndPointAddress& address) {
   return {std::move(socket), EndPointAddress{address.address, bound->port}};
 }
 
-ConnectStart connect_tcp(const EndPointAddress& address) {
-  const auto sa = to_socket_address(address);
-  if (!sa) throw std::runtime_error("not a numeric IP address");
-  const int family = sa->get()->sa_family;
-  Socket socket{::socket(family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0)};
-  if (!socket.valid()) fail("socket", errno);
-  // A source port of its own (see tcp.hpp). The wildcard address lets the kernel choose the
-  // interface as for an unbound socket.
+int bind_source_port(int fd, int family) {
   SocketAddress any{};
   if (family == AF_INET) {
     sockaddr_in in{};
@@ -117,7 +110,18 @@ ConnectStart connect_tcp(const EndPointAddress& address) {
     std::memcpy(&any.storage, &in6, sizeof(in6));
     any.length = sizeof(in6);
   }
-  if (::bind(socket.get(), any.get(), any.length) != 0) fail("bind to a source port", errno);
+  return ::bind(fd, any.get(), any.length) == 0 ? 0 : errno;
+}
+
+ConnectStart connect_tcp(const EndPointAddress& address) {
+  const auto sa = to_socket_address(address);
+  if (!sa) throw std::runtime_error("not a numeric IP address");
+  const int family = sa->get()->sa_family;
+  Socket socket{::socket(family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0)};
+  if (!socket.valid()) fail("socket", errno);
+  if (const int err = bind_source_port(socket.get(), family); err != 0) {
+    fail("bind to a source port", err);
+  }
   ConnectStart started{std::move(socket), 0};
   if (::connect(started.socket.get(), sa->get(), sa->length) != 0 && errno != EINPROGRESS &&
       errno != EINTR) {

@@ -47,8 +47,15 @@ class Socket {
 // with the failing step.
 std::pair<Socket, EndPointAddress> listen_tcp(const EndPointAddress& address);
 
-// Starts a non-blocking connect to `address` from a port of its own: the socket is bound to
-// port 0 first, so the kernel gives it a source port that no other socket uses (without it,
+// Binds the socket `fd` (of `family`, AF_INET or AF_INET6) to the wildcard address and port 0,
+// before it connects: the kernel then gives it a source port that no other socket uses, and
+// still chooses the interface at connect as for an unbound socket. Returns 0 or the errno.
+// The cost: a port bound this way is not shared with connections to other destinations, so a
+// client can hold at most about the size of the ephemeral range (net.ipv4.ip_local_port_range,
+// 28,232 ports by default) of such connections at once, all destinations together.
+int bind_source_port(int fd, int family);
+
+// Starts a non-blocking connect to `address` from a port of its own (bind_source_port; without it,
 // two connections of one process to two ports of one server may share a source port, and the
 // server would see two connections from one address). `error` is 0 when the connect is in
 // progress or done, else the errno of a connect that failed at once. Throws

@@ -291,6 +291,13 @@ class Backend : public std::enable_shared_from_this<Backend> {
     };
     if (conn->socket.open(endpoint.protocol(), ec); ec) fail("socket", ec.message());
     if (conn->socket.non_blocking(true, ec); ec) fail("non-blocking mode", ec.message());
+    // A source port of its own (tcp.hpp): two connections of this process to two ports of
+    // one server would otherwise be able to share one, and the server refuses the second.
+    if (const int err = detail::bind_source_port(conn->socket.native_handle(),
+                                                 ip.is_v4() ? AF_INET : AF_INET6);
+        err != 0) {
+      fail("bind to a source port", errno_text(err));
+    }
     if (const auto err =
             detail::configure_stream(conn->socket.native_handle(), m_config.limits.peer_timeout);
         !err.empty()) {

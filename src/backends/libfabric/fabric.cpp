@@ -4,7 +4,10 @@
 #include <cctype>
 #include <cstdlib>
 #include <cstring>
+#include <netinet/in.h>
 #include <stdexcept>
+#include <string_view>
+#include <sys/socket.h>
 
 #include <fmt/format.h>
 
@@ -76,6 +79,56 @@ Info get_info(const ProviderChoice& provider, ThreadSafetyModel model,
                                          address, local ? "local" : "remote", fi_error(rc)));
   }
   return Info{info};
+}
+
+detail::Socket reserve_source_port(fi_info* info) {
+  const std::string_view provider =
+      info->fabric_attr != nullptr && info->fabric_attr->prov_name != nullptr
+          ? info->fabric_attr->prov_name
+          : "";
+  const bool tcp = provider == "tcp" || provider == "net";
+  const bool inet = info->addr_format == FI_SOCKADDR_IN || info->addr_format == FI_SOCKADDR_IN6;
+  if (!tcp || !inet) return {};
+  const int family = info->addr_format == FI_SOCKADDR_IN ? AF_INET : AF_INET6;
+  const socklen_t length = family == AF_INET ? sizeof(sockaddr_in) : sizeof(sockaddr_in6);
+  if (info->src_addr == nullptr || info->src_addrlen < length) {
+    // No source address from fi_getinfo: the wildcard (the kernel picks the interface at
+    // connect). calloc: fi_freeinfo frees it with free().
+    void* any = std::calloc(1, length);
+    if (any == nullptr) throw std::runtime_error("no memory for a source address");
+    static_cast<sockaddr*>(any)->sa_family = static_cast<sa_family_t>(family);
+    std::free(info->src_addr);
+    info->src_addr = any;
+    info->src_addrlen = length;
+  }
+  auto* source = static_cast<sockaddr*>(info->src_addr);
+  const auto set_port = [&](std::uint16_t port_be) {
+    if (family == AF_INET) {
+      reinterpret_cast<sockaddr_in*>(source)->sin_port = port_be;  // NOLINT
+    } else {
+      reinterpret_cast<sockaddr_in6*>(source)->sin6_port = port_be;  // NOLINT
+    }
+  };
+  const auto fail = [](std::string_view step) {
+    throw std::runtime_error(
+        fmt::format("reserving a source port: {} failed: {}", step, std::strerror(errno)));
+  };
+  detail::Socket socket{::socket(family, SOCK_STREAM | SOCK_CLOEXEC, 0)};
+  if (!socket.valid()) fail("socket");
+  const int one = 1;
+  if (::setsockopt(socket.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one)) != 0) {
+    fail("SO_REUSEADDR");
+  }
+  set_port(0);
+  if (::bind(socket.get(), source, length) != 0) fail("bind");
+  sockaddr_storage bound{};
+  socklen_t bound_length = sizeof(bound);
+  if (::getsockname(socket.get(), reinterpret_cast<sockaddr*>(&bound), &bound_length) != 0) {
+    fail("getsockname");
+  }
+  set_port(family == AF_INET ? reinterpret_cast<const sockaddr_in*>(&bound)->sin_port  // NOLINT
+                             : reinterpret_cast<const sockaddr_in6*>(&bound)->sin6_port);  // NOLINT
+  return socket;
 }
 
 std::array<std::uint8_t, CM_DATA_SIZE> encode_cm_data(const CmData& data) {

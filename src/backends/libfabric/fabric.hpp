@@ -22,6 +22,8 @@
 #include <string>
 #include <unordered_map>
 
+#include "common/tcp.hpp"
+
 #include <netio3/types.hpp>
 
 namespace netio3::libfabric {
@@ -58,6 +60,19 @@ struct ProviderChoice {
 // names the provider and libfabric's reason.
 [[nodiscard]] Info get_info(const ProviderChoice& provider, ThreadSafetyModel model,
                             const EndPointAddress& address, bool local);
+
+// A source port of its own for the active endpoint `info` describes (issue 22: two connections
+// of one process to two ports of one server could otherwise share one, and the server refuses
+// the second). The tcp provider (libfabric 1.17, tcpx_ep.c) never binds an active socket to
+// port 0: it binds to info->src_addr only with IP_BIND_ADDRESS_NO_PORT when that port is 0,
+// which leaves the choice to connect(), and to the port given when it is not. So a socket of
+// ours (SO_REUSEADDR, as the provider's) is bound to the source address with port 0 first,
+// the kernel's port is written into info->src_addr, and the provider binds beside it. The
+// returned socket holds the port until the endpoint has it: keep it open until fi_endpoint
+// returned. Only for the tcp provider ("tcp", "net"; the sockets provider names a listener of
+// its own per endpoint, unique already); an invalid socket otherwise. Throws
+// std::runtime_error with the failing step.
+[[nodiscard]] detail::Socket reserve_source_port(fi_info* info);
 
 // Connection-management data, sent with fi_connect and fi_accept (16 bytes, little endian):
 //   0..3 magic "NIO3", 4..5 version 1, 6..7 flags 0, 8..15 receive buffer size (0: the

@@ -289,6 +289,8 @@ class Backend : public std::enable_shared_from_this<Backend> {
     std::shared_ptr<Connection> conn;
     try {
       conn = make_connection(address, params, 0, domain, State::CONNECTING, global_recv(domain));
+      // Held until the endpoint has bound to the port (fabric.hpp).
+      const detail::Socket reservation = reserve_source_port(info.get());
       open_endpoint(*conn, info.get());
     } catch (const InvalidConnectionParameters&) {
       throw;
