@@ -7,7 +7,8 @@
 // thread, or inline when the loop is not running) and the memory goes when the dispatch
 // unwinds.
 //
-// Impl provides: start(), shutdown() noexcept, the API calls with iovec payloads
+// Impl provides: start(), shutdown() noexcept, notifier() (its detail::Notifier, through which
+// every callback goes), the API calls with iovec payloads
 // (send_data / send_data_copy take std::span<const iovec>), and BackendType TYPE.
 
 #include <exception>
@@ -33,6 +34,8 @@ class BackendFacade final : public NetworkBackend {
   BackendFacade& operator=(BackendFacade&&) = delete;
 
   ~BackendFacade() override {
+    // No callback starts from here on, whatever thread destroys and whatever is in flight.
+    m_impl->notifier().stop();
     try {
       m_loop->run_sync([impl = m_impl] { impl->shutdown(); });
     } catch (const std::exception& e) {

@@ -8,8 +8,9 @@ namespace netio3::detail {
 namespace {
 
 template <typename F, typename... Args>
-void guarded(std::string_view backend, std::string_view which, const F& f, Args&&... args) {
-  if (!f) return;
+void guarded(bool stopped, std::string_view backend, std::string_view which, const F& f,
+             Args&&... args) {
+  if (!f || stopped) return;
   try {
     f(std::forward<Args>(args)...);
   } catch (const std::exception& e) {
@@ -31,31 +32,31 @@ Notifier::Notifier(std::string_view backend_name, const NetworkConfig& config)
 
 void Notifier::data(const EndPointAddress& remote, std::span<const std::uint8_t> bytes) const {
   NETIO3_TRACE("{}: recv from {} size={}", m_name, remote, bytes.size());
-  guarded(m_name, "on_data_cb", m_on_data, bytes);
+  guarded(stopped(), m_name, "on_data_cb", m_on_data, bytes);
 }
 
 void Notifier::established(const EndPointAddress& remote, const EndpointCapabilities& caps) const {
   NETIO3_DEBUG("{}: connection with {} established (buffered={} copy={} zero_copy={} receive={})",
                m_name, remote, caps.send_buffered, caps.send_copy, caps.send_zero_copy,
                caps.receive);
-  guarded(m_name, "on_connection_established_cb", m_on_established, remote, caps);
+  guarded(stopped(), m_name, "on_connection_established_cb", m_on_established, remote, caps);
 }
 
 void Notifier::closed(const EndPointAddress& remote, const std::vector<std::uint64_t>& keys,
                       std::string_view reason) const {
   NETIO3_DEBUG("{}: connection with {} closed ({}), {} send(s) cancelled", m_name, remote, reason,
                keys.size());
-  guarded(m_name, "on_connection_closed_cb", m_on_closed, remote, keys);
+  guarded(stopped(), m_name, "on_connection_closed_cb", m_on_closed, remote, keys);
 }
 
 void Notifier::refused(const EndPointAddress& remote, std::string_view reason) const {
   NETIO3_DEBUG("{}: connection to {} refused: {}", m_name, remote, reason);
-  guarded(m_name, "on_connection_refused_cb", m_on_refused, remote);
+  guarded(stopped(), m_name, "on_connection_refused_cb", m_on_refused, remote);
 }
 
 void Notifier::send_completed(const EndPointAddress& remote, std::uint64_t key) const {
   NETIO3_TRACE("{}: send to {} completed key={}", m_name, remote, key);
-  guarded(m_name, "on_send_completed_cb", m_on_send_completed, remote, key);
+  guarded(stopped(), m_name, "on_send_completed_cb", m_on_send_completed, remote, key);
 }
 
 void Notifier::connection_ended(const EndPointAddress& remote, bool was_established, bool active,

@@ -4,6 +4,7 @@
 // A missing callback is skipped; an exception escaping one is logged and swallowed so that
 // the transport's state (half-parsed streams, key accounting) stays consistent.
 
+#include <atomic>
 #include <cstdint>
 #include <span>
 #include <string_view>
@@ -35,6 +36,12 @@ class Notifier {
 
   [[nodiscard]] std::string_view name() const noexcept { return m_name; }
 
+  // Destruction of the backend has begun (BackendFacade's destructor, on any thread): from
+  // now on no callback starts. One already running ends normally; the destructor's shutdown
+  // runs on the loop thread after it. Costs one load per callback.
+  void stop() const noexcept { m_stopped.store(true); }
+  [[nodiscard]] bool stopped() const noexcept { return m_stopped.load(std::memory_order_acquire); }
+
  private:
   std::string_view m_name;
   OnDataCb m_on_data;
@@ -42,6 +49,7 @@ class Notifier {
   OnConnectionClosedKeysCb m_on_closed;
   OnConnectionRefusedCb m_on_refused;
   OnSendCompleted m_on_send_completed;
+  mutable std::atomic<bool> m_stopped{false};
 };
 
 }  // namespace netio3::detail

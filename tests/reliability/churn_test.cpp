@@ -305,6 +305,17 @@ TEST_P(Churn, SafeModeHammeredFromManyThreadsKeepsExactAccounts) {
   const auto is_target = [&](const EndPointAddress& remote) {
     return std::find(targets.begin(), targets.end(), remote) != targets.end();
   };
+  // A NetworkBuffer* is valid until its connection's closed (or refused) callback
+  // (docs/semantics.md), so a buffered sender holds its target's lock in shared mode from
+  // get_buffer to send_buffer, and a close takes it exclusively: close_active_endpoint, and
+  // the callbacks of an endpoint that ended otherwise (its peer closed it, or an error did).
+  // Everything else runs concurrently.
+  std::array<std::shared_mutex, TARGETS> target_locks;
+  const auto lock_target = [&](const EndPointAddress& remote) {
+    const auto it = std::find(targets.begin(), targets.end(), remote);
+    if (it == targets.end()) return std::unique_lock<std::shared_mutex>{};
+    return std::unique_lock{target_locks[static_cast<std::size_t>(it - targets.begin())]};
+  };
   NetworkConfig config{.mode = test::mode_for(GetParam()), .thread_safety = ThreadSafetyModel::SAFE};
   config.on_send_completed_cb = [&](const EndPointAddress&, std::uint64_t key) {
     const std::lock_guard lock{mutex};
@@ -313,14 +324,16 @@ TEST_P(Churn, SafeModeHammeredFromManyThreadsKeepsExactAccounts) {
   config.on_connection_closed_cb = [&](const EndPointAddress& remote,
                                        const std::vector<std::uint64_t>& keys) {
     {
+      const auto target_lock = lock_target(remote);
       const std::lock_guard lock{mutex};
       for (const auto key : keys) end_key(key, "cancellation");
       if (is_target(remote)) ++closed_or_refused;
     }
     cv.notify_all();
   };
-  config.on_connection_refused_cb = [&](const EndPointAddress&) {
+  config.on_connection_refused_cb = [&](const EndPointAddress& remote) {
     {
+      const auto target_lock = lock_target(remote);
       const std::lock_guard lock{mutex};
       ++closed_or_refused;
     }
@@ -338,10 +351,6 @@ TEST_P(Churn, SafeModeHammeredFromManyThreadsKeepsExactAccounts) {
   std::atomic<std::uint64_t> next_key{DATA_KEY_BASE};
   std::atomic<std::uint64_t> sent{0};
   std::atomic<std::size_t> senders_running{SENDERS};
-  // A NetworkBuffer* is valid until its connection closes, so a buffered sender holds its
-  // target's lock in shared mode from get_buffer to send_buffer, and a close takes it
-  // exclusively; everything else runs concurrently.
-  std::array<std::shared_mutex, TARGETS> target_locks;
   std::vector<std::jthread> threads;
   // Openers keep every target open most of the time: they reopen what is closed, and close
   // one now and then (one call in 16), while the senders run.

@@ -199,6 +199,8 @@ class Backend : public std::enable_shared_from_this<Backend> {
         });
   }
 
+  [[nodiscard]] const detail::Notifier& notifier() const noexcept { return m_notifier; }
+
   // Closes everything without callbacks. Runs on the loop thread, or inline when the
   // loop is not running.
   void shutdown() noexcept {

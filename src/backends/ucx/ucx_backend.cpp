@@ -346,6 +346,8 @@ class Backend : public std::enable_shared_from_this<Backend> {
     m_lingering.emplace(*m_loop, LINGER_TIMEOUT);
   }
 
+  [[nodiscard]] const detail::Notifier& notifier() const noexcept { return m_notifier; }
+
   void shutdown() noexcept {
     if (m_shut_down.exchange(true)) return;
     Registry::Contents all;
