@@ -36,6 +36,8 @@ struct ConnectionBase {
   const std::uint64_t listener_id;  // 0: opened by open_active_endpoint
   // Set when the application closed the connection (or its listener); sends fail from then.
   std::atomic<bool> close_requested{false};
+  // Times this connection was opened again from a new source port (loop thread).
+  int source_port_retries{0};
 
   // Guards what follows (and the backend's own per-connection state).
   OptionalMutex mutex;
@@ -43,6 +45,31 @@ struct ConnectionBase {
   BufferPool* send_pool{nullptr};  // shared or own_send_pool; null: no buffered sending
   std::unique_ptr<BufferPool> own_send_pool;
 };
+
+// A connection the server refused because it has one from the same source address and port
+// already (another socket of this host shares the port, or the server still holds the
+// connection of a process that had it before; docs/semantics.md) is opened again from a new
+// source port, at most this often, before on_connection_refused_cb.
+inline constexpr int SOURCE_PORT_RETRIES = 3;
+
+// After such a refusal: true, logged and counted, when `conn` may open again from a new
+// source port; false (logged when the retries are spent) when it is refused for good.
+inline bool retry_from_new_source_port(ConnectionBase& conn, std::string_view backend) {
+  if (!conn.active() || conn.close_requested.load()) return false;
+  if (conn.source_port_retries >= SOURCE_PORT_RETRIES) {
+    NETIO3_WARN(
+        "{}: connection to {} refused again: the server has a connection from each of "
+        "{} source ports tried; giving up",
+        backend, conn.remote, SOURCE_PORT_RETRIES + 1);
+    return false;
+  }
+  ++conn.source_port_retries;
+  NETIO3_WARN(
+      "{}: connection to {} refused: the server has a connection from this source "
+      "address and port already; connecting again from a new source port (retry {} of {})",
+      backend, conn.remote, conn.source_port_retries, SOURCE_PORT_RETRIES);
+  return true;
+}
 
 // Gives `conn` its send buffers: `shared` if there is one, else its own pool when
 // send_buffered_params asks for buffers (allocated before taking the connection's lock:

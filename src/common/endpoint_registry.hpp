@@ -114,6 +114,16 @@ class EndpointRegistry {
     m_connections.emplace(address, std::move(conn));
   }
 
+  // Puts `fresh` (same remote address) in the place of `old`: false, and nothing changed, if
+  // `old` is no longer registered (it was taken for close meanwhile).
+  bool replace_connection(const Lock& /*held*/, const std::shared_ptr<Conn>& old,
+                          std::shared_ptr<Conn> fresh) {
+    const auto it = m_connections.find(old->remote);
+    if (it == m_connections.end() || it->second != old) return false;
+    it->second = std::move(fresh);
+    return true;
+  }
+
   // For close_active_endpoint: removes the connection at once (its address can be opened
   // again), marks it close-requested and keeps it until remove(). Throws
   // InvalidEndpointAddress / UnknownActiveEndpoint.

@@ -4,6 +4,7 @@
 #include <array>
 #include <cerrno>
 #include <cstring>
+#include <deque>
 #include <ifaddrs.h>
 #include <mutex>
 #include <netinet/in.h>
@@ -97,16 +98,41 @@ std::pair<Socket, EndPointAddress> listen_tcp(const EndPointAddress& address) {
   return {std::move(socket), EndPointAddress{address.address, bound->port}};
 }
 
+namespace {
+std::mutex g_forced_mutex;
+std::deque<std::uint16_t> g_forced_ports;  // under g_forced_mutex
+}  // namespace
+
+void force_source_ports(std::span<const std::uint16_t> ports) {
+  const std::lock_guard lock{g_forced_mutex};
+  g_forced_ports.assign(ports.begin(), ports.end());
+}
+
+std::uint16_t take_forced_source_port() {
+  const std::lock_guard lock{g_forced_mutex};
+  if (g_forced_ports.empty()) return 0;
+  const std::uint16_t port = g_forced_ports.front();
+  g_forced_ports.pop_front();
+  return port;
+}
+
 int bind_source_port(int fd, int family) {
+  const std::uint16_t forced = take_forced_source_port();
+  if (forced != 0) {
+    const int one = 1;
+    if (::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one)) != 0) return errno;
+  }
   SocketAddress any{};
   if (family == AF_INET) {
     sockaddr_in in{};
     in.sin_family = AF_INET;
+    in.sin_port = htons(forced);
     std::memcpy(&any.storage, &in, sizeof(in));
     any.length = sizeof(in);
   } else {
     sockaddr_in6 in6{};
     in6.sin6_family = AF_INET6;
+    in6.sin6_port = htons(forced);
     std::memcpy(&any.storage, &in6, sizeof(in6));
     any.length = sizeof(in6);
   }

@@ -55,6 +55,17 @@ std::pair<Socket, EndPointAddress> listen_tcp(const EndPointAddress& address);
 // 28,232 ports by default) of such connections at once, all destinations together.
 int bind_source_port(int fd, int family);
 
+// For tests: the next calls of bind_source_port (or of libfabric's source-port reservation),
+// process-wide, bind to these ports in turn, with SO_REUSEADDR, instead of taking a port of
+// their own. This makes the collision a server must handle (two connections from one address
+// and port; tests/conformance/source_port_tests.cpp). take_forced_source_port returns the
+// next one and uses it up (0: none).
+void force_source_ports(std::span<const std::uint16_t> ports);
+inline void force_next_source_port(std::uint16_t port) {
+  force_source_ports({&port, 1});
+}
+[[nodiscard]] std::uint16_t take_forced_source_port();
+
 // Starts a non-blocking connect to `address` from a port of its own (bind_source_port; without it,
 // two connections of one process to two ports of one server may share a source port, and the
 // server would see two connections from one address). `error` is 0 when the connect is in

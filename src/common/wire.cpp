@@ -37,6 +37,25 @@ std::array<std::uint8_t, GREETING_SIZE> encode_greeting(const Greeting& greeting
   return out;
 }
 
+std::array<std::uint8_t, GREETING_SIZE> encode_refusal_greeting(const FrameProtocol& protocol) {
+  return encode_greeting(Greeting{.major = protocol.major,
+                                  .minor = protocol.minor,
+                                  .max_message_size = 0,
+                                  .flags = GREETING_REFUSED_ADDRESS_IN_USE});
+}
+
+void FrameDecoder::reset() noexcept {
+  release_body();
+  m_stage = Stage::GREETING;
+  m_type = 0;
+  m_small_have = 0;
+  m_body_have = 0;
+  m_body_len = 0;
+  m_pending.clear();
+  m_error.clear();
+  m_refused_address_in_use = false;
+}
+
 bool FrameDecoder::parse_greeting(const std::uint8_t* p, Greeting& out) {
   if (!std::equal(MAGIC.begin(), MAGIC.end(), p)) {
     m_error = fmt::format(
@@ -53,6 +72,11 @@ bool FrameDecoder::parse_greeting(const std::uint8_t* p, Greeting& out) {
     m_error = fmt::format("unsupported protocol version {}.{} (this side speaks {} {}.{}){}",
                           out.major, out.minor, m_protocol.name, m_protocol.major, m_protocol.minor,
                           other_protocol_hint(out.major));
+    return false;
+  }
+  if (out.max_message_size == 0 && (out.flags & GREETING_REFUSED_ADDRESS_IN_USE) != 0) {
+    m_refused_address_in_use = true;
+    m_error = "refused by the peer: it has a connection from this source address and port already";
     return false;
   }
   if (out.max_message_size == 0) {

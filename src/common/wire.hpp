@@ -10,11 +10,17 @@
 //                   different major is refused
 //             6..7  minor version (little endian) - compatible additions
 //             8..11 largest message the sender of the greeting accepts (little endian)
-//            12..15 flags, 0 in version 1.0
+//            12..15 flags: 0, except in a refusal greeting (minor 1, below)
 //   frame     0..3  message length L (little endian)
 //             4     frame type (which ones a protocol accepts: FrameProtocol)
 //             5..7  reserved, 0
 //             8..   L bytes of message
+//
+// A refusal greeting (minor version 1) has a maximum message size of 0 and flag bit 0 set
+// (GREETING_REFUSED_ADDRESS_IN_USE): the server already has a connection from the client's
+// source address and port (docs/semantics.md), and closes after it. A 1.0 peer rejects it as
+// a bad greeting (size 0), so it is refused all the same; a 1.1 client retries from another
+// source port.
 //
 // Major versions are allocated across netio3's protocols, so that a peer of the wrong
 // backend is refused with a reason that says so: 1 = asyncmsg, 3 = the UCX backend's
@@ -43,6 +49,7 @@ inline constexpr std::array<std::uint8_t, 4> MAGIC{'N', 'I', 'O', '3'};
 inline constexpr std::uint16_t ASYNCMSG_MAJOR = 1;
 inline constexpr std::uint16_t UCX_CONTROL_MAJOR = 3;
 inline constexpr std::size_t GREETING_SIZE = 16;
+inline constexpr std::uint32_t GREETING_REFUSED_ADDRESS_IN_USE = 1U;
 inline constexpr std::size_t FRAME_HEADER_SIZE = 8;
 inline constexpr std::uint8_t FRAME_DATA = 1;  // asyncmsg's only frame type
 // Lengths travel as 32-bit numbers.
@@ -55,7 +62,7 @@ struct FrameProtocol {
   std::uint16_t minor{};
   std::uint32_t frame_types{};  // bit t set: frame type t is accepted (t < 32)
 };
-inline constexpr FrameProtocol ASYNCMSG_PROTOCOL{"asyncmsg", ASYNCMSG_MAJOR, 0, 1U << FRAME_DATA};
+inline constexpr FrameProtocol ASYNCMSG_PROTOCOL{"asyncmsg", ASYNCMSG_MAJOR, 1, 1U << FRAME_DATA};
 
 // The default major is asyncmsg's, whose greeting this layout was first.
 struct Greeting {
@@ -66,6 +73,10 @@ struct Greeting {
 };
 
 [[nodiscard]] std::array<std::uint8_t, GREETING_SIZE> encode_greeting(const Greeting& greeting);
+// The greeting a server sends instead of its own when it refuses a connection because one
+// from the same source address and port exists; it closes the connection after it.
+[[nodiscard]] std::array<std::uint8_t, GREETING_SIZE> encode_refusal_greeting(
+    const FrameProtocol& protocol);
 
 inline void encode_frame_header(std::uint8_t* out, std::uint32_t length,
                                 std::uint8_t type = FRAME_DATA) noexcept {
@@ -108,6 +119,8 @@ class FrameDecoder {
   template <typename OnGreeting, typename OnMessage, typename Admit>
   Status resume(OnGreeting&& on_greeting, OnMessage&& on_message, Admit&& admit);
   [[nodiscard]] bool paused() const noexcept { return m_stage == Stage::WAIT; }
+  // Back to the start of a stream (the connection was made again): a greeting comes next.
+  void reset() noexcept;
   // A message body is being assembled (the memory admitted for it is in use).
   [[nodiscard]] bool in_body() const noexcept { return m_stage == Stage::BODY; }
 
@@ -119,6 +132,9 @@ class FrameDecoder {
   Status commit_direct(std::size_t n, OnMessage&& on_message);
 
   [[nodiscard]] const std::string& error() const noexcept { return m_error; }
+  // The ERROR was a refusal greeting: the peer has a connection from this side's source
+  // address and port already (a new source port may succeed).
+  [[nodiscard]] bool refused_address_in_use() const noexcept { return m_refused_address_in_use; }
   // The type of the frame whose message on_message is being given (valid during the call).
   [[nodiscard]] std::uint8_t frame_type() const noexcept { return m_type; }
   [[nodiscard]] bool greeted() const noexcept { return m_stage != Stage::GREETING; }
@@ -160,6 +176,7 @@ class FrameDecoder {
   std::size_t m_body_len{0};
   std::vector<std::uint8_t> m_pending;  // WAIT: input after the header, kept for resume()
   std::string m_error;
+  bool m_refused_address_in_use{false};
 };
 
 template <typename OnGreeting, typename OnMessage, typename Admit>

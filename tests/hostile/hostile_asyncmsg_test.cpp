@@ -269,8 +269,8 @@ TEST_F(HostileAsyncmsg, ByteByByteIsLegal) {
   RawPeer peer{m_listen};
   const auto server_greeting = peer.read_exact(GREETING_SIZE);
   ASSERT_TRUE(server_greeting.has_value());
-  EXPECT_EQ(*server_greeting, greeting(1, 0, static_cast<std::uint32_t>(DEFAULT_MAX)))
-      << "the server announces its limit in its greeting";
+  EXPECT_EQ(*server_greeting, greeting(1, 1, static_cast<std::uint32_t>(DEFAULT_MAX)))
+      << "the server announces protocol 1.1 and its limit in its greeting";
   const auto begin = Clock::now();
   ASSERT_TRUE(peer.send_bytewise(all));
   EXPECT_TRUE(m_checker.wait_received(stream, sizes.size(), PROMPT)) << m_logs.dump();

@@ -286,29 +286,12 @@ class Backend : public std::enable_shared_from_this<Backend> {
     auto conn = std::make_shared<Connection>(m_io, m_chunks, address, params, 0, State::CONNECTING,
                                              m_max_message);
     attach_send_pool(*conn);
-    boost::system::error_code ec;
-    const auto fail = [&](std::string_view step, const std::string& why) {
+    int err = 0;
+    if (const auto why = start_connect(conn->socket, endpoint, err); !why.empty()) {
       throw FailedOpenActiveEndpoint(
-          fmt::format("asyncmsg: cannot connect to {}: {} failed: {}", address, step, why));
-    };
-    if (conn->socket.open(endpoint.protocol(), ec); ec) fail("socket", ec.message());
-    if (conn->socket.non_blocking(true, ec); ec) fail("non-blocking mode", ec.message());
-    // A source port of its own (tcp.hpp): two connections of this process to two ports of
-    // one server would otherwise be able to share one, and the server refuses the second.
-    if (const int err = detail::bind_source_port(conn->socket.native_handle(),
-                                                 ip.is_v4() ? AF_INET : AF_INET6);
-        err != 0) {
-      fail("bind to a source port", errno_text(err));
+          fmt::format("asyncmsg: cannot connect to {}: {}", address, why));
     }
-    if (const auto err =
-            detail::configure_stream(conn->socket.native_handle(), m_config.limits.peer_timeout);
-        !err.empty()) {
-      fail("socket options", err);
-    }
-    const int rc = ::connect(conn->socket.native_handle(), endpoint.data(),
-                             static_cast<socklen_t>(endpoint.size()));
-    const int err = rc == 0 ? 0 : errno;
-    if (err != 0 && err != EINPROGRESS && err != EAGAIN && err != EINTR) {
+    if (err != 0) {
       // Failed at once (e.g. no route): reported like any refusal, from the loop.
       m_registry.add_connection(held, conn);
       std::weak_ptr<Backend> weak = weak_from_this();
@@ -576,20 +559,23 @@ class Backend : public std::enable_shared_from_this<Backend> {
     auto conn = std::make_shared<Connection>(m_io, m_chunks, remote, listener->params, listener->id,
                                              State::GREETING, m_max_message);
     conn->socket = std::move(socket);
+    bool collision = false;
     {
       const auto held = m_registry.lock();
       if (!m_registry.has_listener(held, listener->address)) return;  // closed meanwhile
-      if (m_registry.find(held, remote)) {
-        NETIO3_WARN("asyncmsg: dropping connection from {}: a connection with that address exists",
-                    remote);
-        return;
+      collision = m_registry.find(held, remote) != nullptr;
+      if (!collision) {
+        {
+          const std::lock_guard conn_lock{conn->mutex};
+          conn->fd = m_loop->add_fd(conn->socket.native_handle(), EPOLLIN, socket_callback(conn));
+        }
+        m_registry.add_connection(held, conn);
+        m_deadlines->track(conn);
       }
-      {
-        const std::lock_guard conn_lock{conn->mutex};
-        conn->fd = m_loop->add_fd(conn->socket.native_handle(), EPOLLIN, socket_callback(conn));
-      }
-      m_registry.add_connection(held, conn);
-      m_deadlines->track(conn);
+    }
+    if (collision) {
+      refuse_address_in_use(*conn, listener->address);
+      return;
     }
     NETIO3_DEBUG("asyncmsg: accepted connection from {} on {}", remote, listener->address);
     send_greeting(conn);
@@ -615,7 +601,8 @@ class Backend : public std::enable_shared_from_this<Backend> {
     }
     if (!conn->receive_paused && (events & (EPOLLIN | EPOLLERR | EPOLLHUP)) != 0) {
       on_readable(conn);
-      if (m_shut_down || conn->state == State::CLOSED) return;
+      // CONNECTING: refused, and connecting again on a new socket.
+      if (m_shut_down || conn->state == State::CLOSED || conn->state == State::CONNECTING) return;
     }
     if ((events & EPOLLOUT) != 0) flush(conn);
   }
@@ -640,9 +627,82 @@ class Backend : public std::enable_shared_from_this<Backend> {
     send_greeting(conn);
   }
 
+  // Opens `socket` and starts a non-blocking connect to `endpoint` from a source port of its
+  // own (tcp.hpp: two connections of this process to two ports of one server could otherwise
+  // share one, and the server refuses the second). Returns the failing step with its reason,
+  // or empty; `connect_error` is then the errno of a connect that failed at once, or 0.
+  [[nodiscard]] std::string start_connect(tcp::socket& socket, const tcp::endpoint& endpoint,
+                                          int& connect_error) const {
+    boost::system::error_code ec;
+    if (socket.open(endpoint.protocol(), ec); ec) return "socket failed: " + ec.message();
+    if (socket.non_blocking(true, ec); ec) return "non-blocking mode failed: " + ec.message();
+    const int fd = socket.native_handle();
+    if (const int err =
+            detail::bind_source_port(fd, endpoint.address().is_v4() ? AF_INET : AF_INET6);
+        err != 0) {
+      return "bind to a source port failed: " + errno_text(err);
+    }
+    if (const auto why = detail::configure_stream(fd, m_config.limits.peer_timeout); !why.empty()) {
+      return "socket options failed: " + why;
+    }
+    const int rc = ::connect(fd, endpoint.data(), static_cast<socklen_t>(endpoint.size()));
+    const int err = rc == 0 ? 0 : errno;
+    connect_error = err == EINPROGRESS || err == EAGAIN || err == EINTR ? 0 : err;
+    return {};
+  }
+
+  // The server refused `conn` because it has a connection from its source address and port:
+  // opens it again from a new one (at most SOURCE_PORT_RETRIES times). False when it may not
+  // or could not; the caller then closes it.
+  bool reconnect_from_new_source_port(const std::shared_ptr<Connection>& conn) {
+    if (!detail::retry_from_new_source_port(*conn, NAME)) return false;
+    boost::system::error_code ec;
+    const auto ip = asio::ip::make_address(conn->remote.address, ec);
+    if (ec) return false;
+    tcp::socket fresh{*m_io};
+    int err = 0;
+    auto why = start_connect(fresh, tcp::endpoint{ip, conn->remote.port}, err);
+    if (why.empty() && err != 0) why = "connect failed: " + errno_text(err);
+    if (!why.empty()) {
+      NETIO3_WARN("asyncmsg: connecting again to {}: {}", conn->remote, why);
+      return false;
+    }
+    {
+      const std::lock_guard lock{conn->mutex};
+      conn->fd.close();
+      conn->queue.clear();
+      conn->flush_pending = false;
+      conn->state = State::CONNECTING;
+    }
+    drain_and_close(conn->socket);
+    conn->socket = std::move(fresh);
+    conn->decoder.reset();
+    conn->epollout = false;
+    conn->large_messages = false;
+    const std::lock_guard lock{conn->mutex};
+    conn->fd = m_loop->add_fd(conn->socket.native_handle(), EPOLLOUT, socket_callback(conn));
+    return true;
+  }
+
+  // Another connection has the peer's address and port (docs/semantics.md): this one is
+  // refused with a refusal greeting, which tells a netio3 client to try another source port.
+  void refuse_address_in_use(Connection& conn, const EndPointAddress& listener) {
+    NETIO3_WARN(
+        "asyncmsg: refusing a connection on {} from {}: a connection from that address "
+        "and port exists (a source-port collision: the client should connect from "
+        "another port)",
+        listener, conn.remote);
+    const auto refusal = detail::encode_refusal_greeting(detail::ASYNCMSG_PROTOCOL);
+    if (detail::send_now(conn.socket.native_handle(), refusal)) {
+      linger(conn);
+    } else {
+      drain_and_close(conn.socket);
+    }
+  }
+
   void send_greeting(const std::shared_ptr<Connection>& conn) {
-    const auto greeting =
-        encode_greeting(Greeting{.max_message_size = static_cast<std::uint32_t>(m_max_message)});
+    const auto greeting = encode_greeting(Greeting{
+        .minor = VERSION_MINOR, .max_message_size = static_cast<std::uint32_t>(m_max_message)});
     {
       const std::lock_guard lock{conn->mutex};
       conn->queue.append_copy(greeting);
@@ -831,6 +891,10 @@ class Backend : public std::enable_shared_from_this<Backend> {
       case FrameDecoder::Status::OK:
         return true;
       case FrameDecoder::Status::ERROR:
+        if (conn->decoder.refused_address_in_use() && conn->state == State::GREETING &&
+            reconnect_from_new_source_port(conn)) {
+          return false;
+        }
         NETIO3_WARN("asyncmsg: closing connection with {}: {}", conn->remote,
                     conn->decoder.error());
         close_connection(conn, conn->decoder.error(), CloseKind::ERROR);

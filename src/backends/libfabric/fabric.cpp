@@ -119,14 +119,14 @@ detail::Socket reserve_source_port(fi_info* info) {
   if (::setsockopt(socket.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one)) != 0) {
     fail("SO_REUSEADDR");
   }
-  set_port(0);
+  set_port(htons(detail::take_forced_source_port()));  // 0 but in tests (tcp.hpp)
   if (::bind(socket.get(), source, length) != 0) fail("bind");
   sockaddr_storage bound{};
   socklen_t bound_length = sizeof(bound);
   if (::getsockname(socket.get(), reinterpret_cast<sockaddr*>(&bound), &bound_length) != 0) {
     fail("getsockname");
   }
-  set_port(family == AF_INET ? reinterpret_cast<const sockaddr_in*>(&bound)->sin_port  // NOLINT
+  set_port(family == AF_INET ? reinterpret_cast<const sockaddr_in*>(&bound)->sin_port      // NOLINT
                              : reinterpret_cast<const sockaddr_in6*>(&bound)->sin6_port);  // NOLINT
   return socket;
 }
@@ -135,7 +135,7 @@ std::array<std::uint8_t, CM_DATA_SIZE> encode_cm_data(const CmData& data) {
   std::array<std::uint8_t, CM_DATA_SIZE> out{};
   std::copy(CM_MAGIC.begin(), CM_MAGIC.end(), out.begin());
   detail::store_le16(out.data() + 4, CM_VERSION);
-  detail::store_le16(out.data() + 6, 0);
+  detail::store_le16(out.data() + 6, data.flags);
   detail::store_le64(out.data() + 8, data.recv_buf_size);
   return out;
 }
@@ -155,7 +155,8 @@ std::optional<CmData> decode_cm_data(std::span<const std::uint8_t> bytes, std::s
     error = fmt::format("connection data version {} (this side speaks {})", version, CM_VERSION);
     return std::nullopt;
   }
-  return CmData{detail::load_le64(bytes.data() + 8)};
+  return CmData{.recv_buf_size = detail::load_le64(bytes.data() + 8),
+                .flags = detail::load_le16(bytes.data() + 6)};
 }
 
 Domain::Domain(const fi_info& info) : m_info{fi_dupinfo(&info)} {

@@ -22,9 +22,9 @@
 #include <string>
 #include <unordered_map>
 
-#include "common/tcp.hpp"
-
 #include <netio3/types.hpp>
+
+#include "common/tcp.hpp"
 
 namespace netio3::libfabric {
 
@@ -75,11 +75,17 @@ struct ProviderChoice {
 [[nodiscard]] detail::Socket reserve_source_port(fi_info* info);
 
 // Connection-management data, sent with fi_connect and fi_accept (16 bytes, little endian):
-//   0..3 magic "NIO3", 4..5 version 1, 6..7 flags 0, 8..15 receive buffer size (0: the
+//   0..3 magic "NIO3", 4..5 version 1, 6..7 flags, 8..15 receive buffer size (0: the
 //   endpoint cannot receive). A sender refuses messages larger than the peer's size.
+// Flags are 0, except in the data of fi_reject: CM_REFUSED_ADDRESS_IN_USE says that the
+// server has a connection from the client's source address and port already (docs/
+// semantics.md), and the client retries from another source port. Peers that ignore the
+// flags (and reject data) just see a refusal.
 inline constexpr std::size_t CM_DATA_SIZE = 16;
+inline constexpr std::uint16_t CM_REFUSED_ADDRESS_IN_USE = 1;
 struct CmData {
   std::uint64_t recv_buf_size{};
+  std::uint16_t flags{};
 };
 [[nodiscard]] std::array<std::uint8_t, CM_DATA_SIZE> encode_cm_data(const CmData& data);
 // nullopt (and `error` set) for data that is not a netio3 peer's.

@@ -1002,10 +1002,88 @@ class Backend : public std::enable_shared_from_this<Backend> {
         fmt::format("{}{}{}", fi_strerror(err.err), detail != nullptr ? ": " : "",
                     detail != nullptr ? detail : "");
     if (auto conn = connection_by_id(id_of(err.fid))) {
+      if (err.err == FI_ECONNREFUSED && refused_address_in_use(err) &&
+          conn->state == State::CONNECTING && reconnect_from_new_source_port(conn)) {
+        return;
+      }
       close_connection(conn, why, CloseKind::ERROR);
       return;
     }
     NETIO3_DEBUG("libfabric: event queue error for no known endpoint: {}", why);
+  }
+
+  // The reject data of a netio3 server that has a connection from our source port already.
+  static bool refused_address_in_use(const fi_eq_err_entry& err) {
+    if (err.err_data == nullptr || err.err_data_size < CM_DATA_SIZE) return false;
+    std::string ignored;
+    const auto data = decode_cm_data(
+        {static_cast<const std::uint8_t*>(err.err_data), err.err_data_size}, ignored);
+    return data && (data->flags & CM_REFUSED_ADDRESS_IN_USE) != 0;
+  }
+
+  // The server refused `old` because it has a connection from its source address and port:
+  // a new endpoint, from a source port of its own, takes its place under the same address (at
+  // most SOURCE_PORT_RETRIES times), and `old` goes without a callback. False when it may not
+  // or could not; the caller then closes `old`.
+  bool reconnect_from_new_source_port(const std::shared_ptr<Connection>& old) {
+    if (!detail::retry_from_new_source_port(*old, NAME)) return false;
+    const auto fail = [](const std::string& why) { return std::runtime_error(why); };
+    std::shared_ptr<Connection> conn;
+    Info info;
+    try {
+      info = fabric_info(old->remote, false, fail);
+      Domain& domain = open_domain(*info, fail);
+      conn = make_connection(old->remote, old->params, 0, domain, State::CONNECTING,
+                             global_recv(domain));
+      const detail::Socket reservation = reserve_source_port(info.get());
+      open_endpoint(*conn, info.get());
+    } catch (const std::exception& e) {
+      NETIO3_WARN("libfabric: connecting again to {}: {}", old->remote, e.what());
+      if (conn) retire(conn);
+      return false;
+    }
+    conn->source_port_retries = old->source_port_retries;
+    // Buffers the application took from the old endpoint's own pool stay valid: the new
+    // endpoint takes the pool over, with its registration.
+    if (conn->domain == old->domain) {
+      const std::lock_guard old_lock{old->mutex};
+      const std::lock_guard lock{conn->mutex};
+      std::swap(old->own_send_pool, conn->own_send_pool);
+      std::swap(old->send_mr, conn->send_mr);
+      std::swap(old->send_desc, conn->send_desc);
+      if (conn->own_send_pool) conn->send_pool = conn->own_send_pool.get();
+      if (old->own_send_pool) old->send_pool = old->own_send_pool.get();
+    }
+    remember(conn);
+    bool replaced = false;
+    {
+      const auto held = m_registry.lock();
+      replaced = m_registry.replace_connection(held, old, conn);
+    }
+    if (!replaced) {  // closed by the application meanwhile: that close reports it
+      forget(conn->id);
+      retire(conn);
+      return false;
+    }
+    m_deadlines->track(conn);
+    close_connection(old, "superseded", CloseKind::ERROR, Report::NEVER);
+    const auto data = encode_cm_data(CmData{receive_size(*conn)});
+    const int rc = fi_connect(conn->ep.get(), info->dest_addr, data.data(), data.size());
+    if (rc != 0) {
+      close_connection(conn, fmt::format("fi_connect failed: {}", fi_error(rc)), CloseKind::ERROR,
+                       Report::LATER);
+    }
+    return true;
+  }
+
+  // Frees a connection that never was registered once the provider is done with it.
+  void retire(const std::shared_ptr<Connection>& conn) {
+    {
+      const std::lock_guard lock{conn->mutex};
+      conn->state = State::CLOSED;
+    }
+    conn->ep.reset();
+    m_retired.push_back(Retired{conn->domain, conn->domain->drains, conn});
   }
 
   void on_connection_request(Domain& domain, const fi_eq_cm_entry& entry,
@@ -1027,9 +1105,10 @@ class Backend : public std::enable_shared_from_this<Backend> {
       refuse_closed();
       return;
     }
-    const auto reject = [&](std::string_view why) {
+    const auto reject = [&](std::string_view why, std::uint16_t flags = 0) {
       NETIO3_WARN("libfabric: refusing a connection on {}: {}", listener->address, why);
-      fi_reject(listener->pep.get(), info->handle, nullptr, 0);
+      const auto refusal = encode_cm_data(CmData{.recv_buf_size = 0, .flags = flags});
+      fi_reject(listener->pep.get(), info->handle, refusal.data(), refusal.size());
     };
     std::string error;
     const auto peer = decode_cm_data(data, error);
@@ -1050,7 +1129,12 @@ class Backend : public std::enable_shared_from_this<Backend> {
         return;
       }
       if (m_registry.find(held, *remote)) {
-        reject(fmt::format("a connection with {} exists", *remote));
+        // A source-port collision (docs/semantics.md): the flag tells a netio3 client to
+        // connect from another port.
+        reject(fmt::format("a connection from {} exists (a source-port collision: the client "
+                           "should connect from another port)",
+                           *remote),
+               CM_REFUSED_ADDRESS_IN_USE);
         return;
       }
       try {
@@ -1110,7 +1194,9 @@ class Backend : public std::enable_shared_from_this<Backend> {
 
   // NOW: report with the callback at once (the loop noticed the end itself). LATER: from a
   // posted task, because the application's own call caused it.
-  enum class Report { NOW, LATER };
+  // NEVER: a connection replaced by another under its address (a retry from a new source
+  // port), of which the application never hears.
+  enum class Report { NOW, LATER, NEVER };
 
   void close_connection(const std::shared_ptr<Connection>& conn, std::string_view reason,
                         CloseKind kind, Report report = Report::NOW) {
@@ -1138,6 +1224,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
       conn->ep.reset();  // queues cancellations for what was still posted
     }
     m_retired.push_back(Retired{conn->domain, conn->domain->drains, conn});
+    if (report == Report::NEVER) return;
     if (report == Report::LATER) {
       std::weak_ptr<Backend> weak = weak_from_this();
       m_loop->post([weak, conn, was_open = previous == State::OPEN, keys = std::move(keys),

@@ -183,7 +183,7 @@ inline constexpr std::size_t CLOSE_SIZE = 8;
 // are a few hundred bytes; one with many devices a few KiB).
 inline constexpr std::size_t MAX_WORKER_ADDRESS = std::size_t{64} << 10U;
 inline constexpr std::size_t MAX_CONTROL_FRAME = HELLO_FIXED_SIZE + MAX_WORKER_ADDRESS;
-inline constexpr detail::FrameProtocol CONTROL_PROTOCOL{"ucx", detail::UCX_CONTROL_MAJOR, 0,
+inline constexpr detail::FrameProtocol CONTROL_PROTOCOL{"ucx", detail::UCX_CONTROL_MAJOR, 1,
                                                         (1U << FRAME_HELLO) | (1U << FRAME_CLOSE)};
 
 struct Hello {

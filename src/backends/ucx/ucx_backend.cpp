@@ -947,9 +947,16 @@ class Backend : public std::enable_shared_from_this<Backend> {
       const auto held = m_registry.lock();
       if (!m_registry.has_listener(held, listener->address)) return;  // closed meanwhile
       if (m_registry.find(held, remote)) {
+        // A source-port collision (docs/semantics.md): the refusal greeting tells a netio3
+        // client to connect from another port.
         NETIO3_WARN(
-            "ucx: refusing a connection on {} from {}: a connection with that address exists",
+            "ucx: refusing a connection on {} from {}: a connection from that address "
+            "and port exists (a source-port collision: the client should connect from "
+            "another port)",
             listener->address, remote);
+        if (detail::send_now(socket.get(), detail::encode_refusal_greeting(CONTROL_PROTOCOL))) {
+          m_lingering->add(std::move(socket));
+        }
         return;
       }
       try {
@@ -1057,6 +1064,10 @@ class Backend : public std::enable_shared_from_this<Backend> {
             [&](std::span<const std::uint8_t> frame) { return on_control_frame(conn, frame); });
         if (!control_active(*conn)) return;
         if (status == detail::FrameDecoder::Status::ERROR) {
+          if (conn->decoder.refused_address_in_use() && conn->state == State::GREETING &&
+              !conn->greeted && reconnect_from_new_source_port(conn)) {
+            return;
+          }
           protocol_error_now(conn, conn->decoder.error());
           return;
         }
@@ -1074,6 +1085,37 @@ class Backend : public std::enable_shared_from_this<Backend> {
                      fmt::format("the control connection failed: {}", detail::errno_text(err)));
       return;
     }
+  }
+
+  // The server refused `conn` because it has a connection from its source address and port:
+  // connects the control channel again from a new one (at most SOURCE_PORT_RETRIES times).
+  // False when it may not or could not; the caller then closes it.
+  bool reconnect_from_new_source_port(const std::shared_ptr<Connection>& conn) {
+    if (!detail::retry_from_new_source_port(*conn, NAME)) return false;
+    detail::ConnectStart started;
+    std::string why;
+    try {
+      started = detail::connect_tcp(conn->remote);
+      if (started.error != 0) {
+        why = "connect failed: " + detail::errno_text(started.error);
+      } else {
+        why = detail::configure_stream(started.socket.get(), m_config.limits.peer_timeout);
+      }
+    } catch (const std::runtime_error& e) {
+      why = e.what();
+    }
+    if (!why.empty()) {
+      NETIO3_WARN("ucx: connecting again to {}: {}", conn->remote, why);
+      return false;
+    }
+    conn->control_out.clear();
+    conn->decoder.reset();
+    const std::lock_guard lock{conn->mutex};
+    conn->control_fd.close();
+    conn->control = std::move(started.socket);
+    conn->state = State::CONNECTING;
+    conn->control_fd = m_loop->add_fd(conn->control.get(), EPOLLOUT, control_callback(conn));
+    return true;
   }
 
   // A protocol error on the control channel: that one connection goes, with the reason.
