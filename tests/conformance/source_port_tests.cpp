@@ -315,6 +315,24 @@ TEST_P(SourcePorts, RetriesFromNewSourcePortsAreBounded) {
   EXPECT_EQ(client.rec.count_now(Kind::CLOSED), 0U);
 }
 
+// A connect to a port nothing listens on, from that same port (the kernel may pick the
+// destination port as the source port: examples_test saw it under ASan), completes as a TCP
+// simultaneous open, the socket connected to itself; without a check asyncmsg read its own
+// greeting and reported the connection established. It is refused.
+TEST_P(SourcePorts, ASocketConnectedToItselfIsRefused) {
+  Node client{GetParam(), ThreadSafetyModel::SAFE};
+  const SharedPort unused;  // bound, not listening: nothing accepts on this port
+  ASSERT_NE(unused.port, 0);
+  std::vector<std::uint8_t> region;
+  detail::force_next_source_port(unused.port);
+  client.backend->open_active_endpoint({test::test_address(), unused.port},
+                                       sender_params(client.traits, SendMode::BUFFERED, region));
+  ASSERT_TRUE(client.rec.wait(
+      [](const Recorder& r) { return r.count(Kind::REFUSED) + r.count(Kind::ESTABLISHED) >= 1; }));
+  EXPECT_EQ(client.rec.count_now(Kind::ESTABLISHED), 0U);
+  EXPECT_EQ(client.rec.count_now(Kind::REFUSED), 1U);
+}
+
 std::vector<BackendType> fixed_backends() {
   std::vector<BackendType> out;
   for (const auto type : backends()) {

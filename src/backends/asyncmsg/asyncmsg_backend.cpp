@@ -617,6 +617,12 @@ class Backend : public std::enable_shared_from_this<Backend> {
       close_connection(conn, fmt::format("connect failed: {}", errno_text(err)), CloseKind::ERROR);
       return;
     }
+    if (detail::connected_to_itself(conn->socket.native_handle())) {
+      close_connection(conn,
+                       "connect failed: nothing listens there (the socket connected to itself)",
+                       CloseKind::ERROR);
+      return;
+    }
     {
       const std::lock_guard lock{conn->mutex};
       conn->state = State::GREETING;

@@ -216,6 +216,9 @@ class Backend : public std::enable_shared_from_this<Backend> {
       handles.eq.close();
       handles.cq.close();
     }
+    // Connection requests still queued own an fi_info and a provider handle (leaked
+    // otherwise), and their clients wait for an answer: each is refused now.
+    for (const auto& domain : m_domains) refuse_queued_requests(*domain);
     for (auto& listener : all.listeners) listener->pep.reset();
     if (m_closed_listeners) m_closed_listeners->release_all();
     for (auto& conn : all.connections) abandon(*conn);
@@ -810,6 +813,33 @@ class Backend : public std::enable_shared_from_this<Backend> {
           "report: its wait objects cannot be slept on and the loop is busy. Use the tcp "
           "or verbs provider (FI_PROVIDER)",
           domain.provider(), SPURIOUS_WAKEUPS_WARN);
+    }
+  }
+
+  // Shutdown: reads what is left on `domain`'s event queue, refusing connection requests
+  // (callbacks are off: nothing else is reported).
+  void refuse_queued_requests(Domain& domain) noexcept {
+    constexpr std::size_t ENTRY = sizeof(fi_eq_cm_entry) + 256;
+    alignas(fi_eq_cm_entry) std::array<std::uint8_t, ENTRY> buffer{};
+    for (int i = 0; i < 100'000; ++i) {
+      std::uint32_t event = 0;
+      const ssize_t rc = fi_eq_read(domain.eq(), &event, buffer.data(), buffer.size(), 0);
+      if (rc == -FI_EAVAIL) {
+        fi_eq_err_entry err{};
+        if (fi_eq_readerr(domain.eq(), &err, 0) < 0) return;
+        continue;
+      }
+      if (rc < 0) return;
+      if (event != FI_CONNREQ) continue;
+      const auto* entry = reinterpret_cast<const fi_eq_cm_entry*>(buffer.data());  // NOLINT
+      const Info info{entry->info};
+      const auto listener = listener_by_id(id_of(entry->fid));
+      const std::lock_guard lock{m_pep_mutex};
+      if (listener && listener->pep) {
+        fi_reject(listener->pep.get(), info->handle, nullptr, 0);
+      } else if (info->handle != nullptr) {
+        fi_close(info->handle);
+      }
     }
   }
 

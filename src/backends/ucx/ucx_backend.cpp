@@ -1032,6 +1032,12 @@ class Backend : public std::enable_shared_from_this<Backend> {
                          CloseKind::ERROR);
         return;
       }
+      if (detail::connected_to_itself(conn->control.get())) {
+        close_connection(conn,
+                         "connect failed: nothing listens there (the socket connected to itself)",
+                         CloseKind::ERROR);
+        return;
+      }
       {
         const std::lock_guard lock{conn->mutex};
         conn->state = State::GREETING;
