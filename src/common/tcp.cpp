@@ -139,7 +139,7 @@ int bind_source_port(int fd, int family) {
   return ::bind(fd, any.get(), any.length) == 0 ? 0 : errno;
 }
 
-ConnectStart connect_tcp(const EndPointAddress& address) {
+ConnectStart connect_tcp(const EndPointAddress& address, std::chrono::milliseconds peer_timeout) {
   const auto sa = to_socket_address(address);
   if (!sa) throw std::runtime_error("not a numeric IP address");
   const int family = sa->get()->sa_family;
@@ -147,6 +147,9 @@ ConnectStart connect_tcp(const EndPointAddress& address) {
   if (!socket.valid()) fail("socket", errno);
   if (const int err = bind_source_port(socket.get(), family); err != 0) {
     fail("bind to a source port", err);
+  }
+  if (const auto why = configure_stream(socket.get(), peer_timeout); !why.empty()) {
+    throw std::runtime_error("socket options failed: " + why);
   }
   ConnectStart started{std::move(socket), 0};
   if (::connect(started.socket.get(), sa->get(), sa->length) != 0 && errno != EINPROGRESS &&

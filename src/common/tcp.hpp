@@ -69,13 +69,14 @@ inline void force_next_source_port(std::uint16_t port) {
 // Starts a non-blocking connect to `address` from a port of its own (bind_source_port; without it,
 // two connections of one process to two ports of one server may share a source port, and the
 // server would see two connections from one address). `error` is 0 when the connect is in
-// progress or done, else the errno of a connect that failed at once. Throws
-// std::runtime_error when no socket can be made.
+// progress or done, else the errno of a connect that failed at once. The socket gets
+// configure_stream(peer_timeout). Throws std::runtime_error with the failing step when no
+// socket can be made or configured.
 struct ConnectStart {
   Socket socket;
   int error{0};
 };
-ConnectStart connect_tcp(const EndPointAddress& address);
+ConnectStart connect_tcp(const EndPointAddress& address, std::chrono::milliseconds peer_timeout);
 
 // The result of a non-blocking connect once the socket is writable: 0 or the errno.
 int connect_result(int fd);

@@ -279,17 +279,17 @@ class Backend : public std::enable_shared_from_this<Backend> {
   void open_active_endpoint(const EndPointAddress& address, const ConnectionParameters& params) {
     detail::check_address(address, "open_active_endpoint");
     detail::check_connection_parameters(params, m_config, false);
-    const auto ip = asio::ip::make_address(address.address);
-    const tcp::endpoint endpoint{ip, address.port};
     const auto held = m_registry.lock();
     m_registry.check_connection_free(held, address);
     auto conn = std::make_shared<Connection>(m_io, m_chunks, address, params, 0, State::CONNECTING,
                                              m_max_message);
     attach_send_pool(*conn);
     int err = 0;
-    if (const auto why = start_connect(conn->socket, endpoint, err); !why.empty()) {
+    try {
+      err = start_connect(conn->socket, address);
+    } catch (const std::runtime_error& e) {
       throw FailedOpenActiveEndpoint(
-          fmt::format("asyncmsg: cannot connect to {}: {}", address, why));
+          fmt::format("asyncmsg: cannot connect to {}: {}", address, e.what()));
     }
     if (err != 0) {
       // Failed at once (e.g. no route): reported like any refusal, from the loop.
@@ -633,28 +633,18 @@ class Backend : public std::enable_shared_from_this<Backend> {
     send_greeting(conn);
   }
 
-  // Opens `socket` and starts a non-blocking connect to `endpoint` from a source port of its
-  // own (tcp.hpp: two connections of this process to two ports of one server could otherwise
-  // share one, and the server refuses the second). Returns the failing step with its reason,
-  // or empty; `connect_error` is then the errno of a connect that failed at once, or 0.
-  [[nodiscard]] std::string start_connect(tcp::socket& socket, const tcp::endpoint& endpoint,
-                                          int& connect_error) const {
+  // Starts a non-blocking connect to `remote` on `socket` (detail::connect_tcp: from a source
+  // port of its own, stream options set). Returns the errno of a connect that failed at once,
+  // or 0; throws std::runtime_error with the failing step.
+  [[nodiscard]] int start_connect(tcp::socket& socket, const EndPointAddress& remote) const {
+    const auto protocol = asio::ip::make_address(remote.address).is_v4() ? tcp::v4() : tcp::v6();
+    auto started = detail::connect_tcp(remote, m_config.limits.peer_timeout);
     boost::system::error_code ec;
-    if (socket.open(endpoint.protocol(), ec); ec) return "socket failed: " + ec.message();
-    if (socket.non_blocking(true, ec); ec) return "non-blocking mode failed: " + ec.message();
-    const int fd = socket.native_handle();
-    if (const int err =
-            detail::bind_source_port(fd, endpoint.address().is_v4() ? AF_INET : AF_INET6);
-        err != 0) {
-      return "bind to a source port failed: " + errno_text(err);
+    if (socket.assign(protocol, started.socket.get(), ec); ec) {
+      throw std::runtime_error("adopting the socket failed: " + ec.message());
     }
-    if (const auto why = detail::configure_stream(fd, m_config.limits.peer_timeout); !why.empty()) {
-      return "socket options failed: " + why;
-    }
-    const int rc = ::connect(fd, endpoint.data(), static_cast<socklen_t>(endpoint.size()));
-    const int err = rc == 0 ? 0 : errno;
-    connect_error = err == EINPROGRESS || err == EAGAIN || err == EINTR ? 0 : err;
-    return {};
+    started.socket.release();
+    return started.error;
   }
 
   // The server refused `conn` because it has a connection from its source address and port:
@@ -662,13 +652,15 @@ class Backend : public std::enable_shared_from_this<Backend> {
   // or could not; the caller then closes it.
   bool reconnect_from_new_source_port(const std::shared_ptr<Connection>& conn) {
     if (!detail::retry_from_new_source_port(*conn, NAME)) return false;
-    boost::system::error_code ec;
-    const auto ip = asio::ip::make_address(conn->remote.address, ec);
-    if (ec) return false;
     tcp::socket fresh{*m_io};
-    int err = 0;
-    auto why = start_connect(fresh, tcp::endpoint{ip, conn->remote.port}, err);
-    if (why.empty() && err != 0) why = "connect failed: " + errno_text(err);
+    std::string why;
+    try {
+      if (const int err = start_connect(fresh, conn->remote); err != 0) {
+        why = "connect failed: " + errno_text(err);
+      }
+    } catch (const std::runtime_error& e) {
+      why = e.what();
+    }
     if (!why.empty()) {
       NETIO3_WARN("asyncmsg: connecting again to {}: {}", conn->remote, why);
       return false;

@@ -816,11 +816,13 @@ class Backend : public std::enable_shared_from_this<Backend> {
     }
   }
 
+  // One event queue entry, with room for connection data.
+  static constexpr std::size_t EQ_ENTRY_SIZE = sizeof(fi_eq_cm_entry) + 256;
+
   // Shutdown: reads what is left on `domain`'s event queue, refusing connection requests
   // (callbacks are off: nothing else is reported).
   void refuse_queued_requests(Domain& domain) noexcept {
-    constexpr std::size_t ENTRY = sizeof(fi_eq_cm_entry) + 256;
-    alignas(fi_eq_cm_entry) std::array<std::uint8_t, ENTRY> buffer{};
+    alignas(fi_eq_cm_entry) std::array<std::uint8_t, EQ_ENTRY_SIZE> buffer{};
     for (int i = 0; i < 100'000; ++i) {
       std::uint32_t event = 0;
       const ssize_t rc = fi_eq_read(domain.eq(), &event, buffer.data(), buffer.size(), 0);
@@ -833,13 +835,18 @@ class Backend : public std::enable_shared_from_this<Backend> {
       if (event != FI_CONNREQ) continue;
       const auto* entry = reinterpret_cast<const fi_eq_cm_entry*>(buffer.data());  // NOLINT
       const Info info{entry->info};
-      const auto listener = listener_by_id(id_of(entry->fid));
-      const std::lock_guard lock{m_pep_mutex};
-      if (listener && listener->pep) {
-        fi_reject(listener->pep.get(), info->handle, nullptr, 0);
-      } else if (info->handle != nullptr) {
-        fi_close(info->handle);
-      }
+      refuse_request(listener_by_id(id_of(entry->fid)).get(), info->handle);
+    }
+  }
+
+  // Refuses a connection request without a reason: rejected through its listener's passive
+  // endpoint while that is open (the client is told at once), else its handle is closed.
+  void refuse_request(const Listener* listener, fid_t handle) noexcept {
+    const std::lock_guard lock{m_pep_mutex};
+    if (listener != nullptr && listener->pep) {
+      fi_reject(listener->pep.get(), handle, nullptr, 0);
+    } else if (handle != nullptr) {
+      fi_close(handle);
     }
   }
 
@@ -847,8 +854,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
   std::size_t drain_eq(Domain& domain) {
     assert_loop_thread();
     std::size_t handled = 0;
-    constexpr std::size_t ENTRY = sizeof(fi_eq_cm_entry) + 256;  // room for connection data
-    alignas(fi_eq_cm_entry) std::array<std::uint8_t, ENTRY> buffer{};
+    alignas(fi_eq_cm_entry) std::array<std::uint8_t, EQ_ENTRY_SIZE> buffer{};
     for (int i = 0; i < DRAIN_ROUNDS * 4 && !m_shut_down; ++i) {
       std::uint32_t event = 0;
       const ssize_t rc = fi_eq_read(domain.eq(), &event, buffer.data(), buffer.size(), 0);
@@ -1069,7 +1075,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
       open_endpoint(*conn, info.get());
     } catch (const std::exception& e) {
       NETIO3_WARN("libfabric: connecting again to {}: {}", old->remote, e.what());
-      if (conn) retire(conn);
+      if (conn) retire_unregistered(conn);
       return false;
     }
     conn->source_port_retries = old->source_port_retries;
@@ -1092,7 +1098,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
     }
     if (!replaced) {  // closed by the application meanwhile: that close reports it
       forget(conn->id);
-      retire(conn);
+      retire_unregistered(conn);
       return false;
     }
     m_deadlines->track(conn);
@@ -1106,14 +1112,20 @@ class Backend : public std::enable_shared_from_this<Backend> {
     return true;
   }
 
-  // Frees a connection that never was registered once the provider is done with it.
+  // Closes the endpoint of a CLOSED connection (which queues cancellations for what was still
+  // posted) and keeps the connection until the provider is done with it.
   void retire(const std::shared_ptr<Connection>& conn) {
+    conn->ep.reset();
+    m_retired.push_back(Retired{conn->domain, conn->domain->drains, conn});
+  }
+
+  // retire() for a connection that never was registered (a failed or abandoned retry).
+  void retire_unregistered(const std::shared_ptr<Connection>& conn) {
     {
       const std::lock_guard lock{conn->mutex};
       conn->state = State::CLOSED;
     }
-    conn->ep.reset();
-    m_retired.push_back(Retired{conn->domain, conn->domain->drains, conn});
+    retire(conn);
   }
 
   void on_connection_request(Domain& domain, const fi_eq_cm_entry& entry,
@@ -1123,12 +1135,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
     // A request for a closed listener is refused at once (the peer does not wait for its
     // set-up to time out, and the provider frees the request's socket).
     const auto refuse_closed = [&] {
-      const std::lock_guard lock{m_pep_mutex};
-      if (listener && listener->pep) {
-        fi_reject(listener->pep.get(), info->handle, nullptr, 0);
-      } else if (info->handle != nullptr) {
-        fi_close(info->handle);
-      }
+      refuse_request(listener.get(), info->handle);
       NETIO3_DEBUG("libfabric: refused a connection request on a closed listen endpoint");
     };
     if (!listener || listener->closed.load()) {
@@ -1249,11 +1256,10 @@ class Backend : public std::enable_shared_from_this<Backend> {
       m_registry.remove(held, conn);
     }
     forget(conn->id);
-    if (conn->ep) {
-      if (previous == State::OPEN && kind != CloseKind::PEER) fi_shutdown(conn->ep.get(), 0);
-      conn->ep.reset();  // queues cancellations for what was still posted
+    if (conn->ep && previous == State::OPEN && kind != CloseKind::PEER) {
+      fi_shutdown(conn->ep.get(), 0);
     }
-    m_retired.push_back(Retired{conn->domain, conn->domain->drains, conn});
+    retire(conn);
     if (report == Report::NEVER) return;
     if (report == Report::LATER) {
       std::weak_ptr<Backend> weak = weak_from_this();

@@ -582,13 +582,8 @@ class Backend : public std::enable_shared_from_this<Backend> {
       m_registry.check_connection_free(held, address);
       try {
         conn = make_connection(address, params, 0, State::CONNECTING, m_global_recv);
-        auto started = detail::connect_tcp(address);
+        auto started = detail::connect_tcp(address, m_config.limits.peer_timeout);
         error = started.error;
-        if (const auto why =
-                detail::configure_stream(started.socket.get(), m_config.limits.peer_timeout);
-            !why.empty()) {
-          throw std::runtime_error(why);
-        }
         // Findable by its token before the loop can see the socket: the peer's first message
         // may arrive before this call returns.
         remember(conn);
@@ -1101,12 +1096,8 @@ class Backend : public std::enable_shared_from_this<Backend> {
     detail::ConnectStart started;
     std::string why;
     try {
-      started = detail::connect_tcp(conn->remote);
-      if (started.error != 0) {
-        why = "connect failed: " + detail::errno_text(started.error);
-      } else {
-        why = detail::configure_stream(started.socket.get(), m_config.limits.peer_timeout);
-      }
+      started = detail::connect_tcp(conn->remote, m_config.limits.peer_timeout);
+      if (started.error != 0) why = "connect failed: " + detail::errno_text(started.error);
     } catch (const std::runtime_error& e) {
       why = e.what();
     }
