@@ -34,6 +34,24 @@ char thread_state(pid_t tid) {
   return paren == std::string::npos || paren + 2 >= line.size() ? '\0' : line[paren + 2];
 }
 
+// Destroys `node`'s backend on another thread while the node's loop thread is held (in a
+// callback or a posted task) until `release` is set, and returns once it is destroyed: false
+// if the destroying thread was never seen waiting for the loop. The destructor waits for the
+// loop thread, so the destroyer sleeps in that wait (it takes no lock and makes no other
+// blocking call before it); only then is the loop released.
+bool destroy_while_held(Node& node, std::promise<void>& release) {
+  std::atomic<pid_t> tid{0};
+  std::thread destroyer{[&] {
+    tid.store(static_cast<pid_t>(::syscall(SYS_gettid)));
+    node.destroy_backend();
+  }};
+  const bool waiting =
+      test::eventually([&] { return tid.load() != 0 && thread_state(tid.load()) == 'S'; }, 10s);
+  release.set_value();
+  destroyer.join();
+  return waiting;
+}
+
 class Destruction : public testing::TestWithParam<BackendType> {};
 
 TEST_P(Destruction, NoCallbackStartsOnceTheDestructorHasBegun) {
@@ -73,18 +91,8 @@ TEST_P(Destruction, NoCallbackStartsOnceTheDestructorHasBegun) {
     ASSERT_EQ(inside.get_future().wait_for(test::DEFAULT_TIMEOUT), std::future_status::ready);
 
     destroying.store(true);
-    std::atomic<pid_t> tid{0};
-    std::thread destroyer{[&] {
-      tid.store(static_cast<pid_t>(::syscall(SYS_gettid)));
-      server.destroy_backend();
-    }};
-    // The destructor waits for the loop thread, which is in our callback: the destroyer
-    // sleeps in that wait (it takes no lock and makes no other blocking call before it).
-    const bool waiting =
-        test::eventually([&] { return tid.load() != 0 && thread_state(tid.load()) == 'S'; }, 10s);
-    release.set_value();
-    destroyer.join();
-    ASSERT_TRUE(waiting) << "the destroying thread never waited for the loop";
+    ASSERT_TRUE(destroy_while_held(server, release))
+        << "the destroying thread never waited for the loop";
     EXPECT_EQ(after.load(), 0) << "callbacks started after the destructor had begun";
     // The client sees the connection end; the server's Recorder saw no close either.
     EXPECT_TRUE(client.rec.wait([&](const Recorder& r) { return r.count(Kind::CLOSED) == 1; }));
@@ -160,16 +168,8 @@ TEST_P(Destruction, ABusyBackendDestroyedFromAnotherThreadCallsNothingAfter) {
       client.backend->open_active_endpoint(arriving, params);
     }
     destroying.store(true);
-    std::atomic<pid_t> tid{0};
-    std::thread destroyer{[&] {
-      tid.store(static_cast<pid_t>(::syscall(SYS_gettid)));
-      server.destroy_backend();
-    }};
-    const bool waiting =
-        test::eventually([&] { return tid.load() != 0 && thread_state(tid.load()) == 'S'; }, 10s);
-    release.set_value();
-    destroyer.join();
-    ASSERT_TRUE(waiting) << "the destroying thread never waited for the loop";
+    ASSERT_TRUE(destroy_while_held(server, release))
+        << "the destroying thread never waited for the loop";
     ASSERT_EQ(after.load(), 0) << "callbacks started after the destructor had begun";
     callbacks_seen += seen.load();
     // The client's three connections end: the one it closed, and the others with the server.

@@ -7,8 +7,8 @@
 // ephemeral range; for 64 connections about 7% per round before the fix).
 
 #include <arpa/inet.h>
+#include <array>
 #include <cstring>
-#include <mutex>
 #include <netinet/in.h>
 #include <poll.h>
 #include <string>
@@ -59,45 +59,6 @@ TEST_P(SourcePorts, SixtyFourConnectionsToSixtyFourListenersAreNeverRefused) {
     ASSERT_TRUE(server.rec.wait([&](const Recorder& r) { return r.count(Kind::CLOSED) >= up; }));
   }
 }
-
-// Every log line, for checking what was logged (restores the default sink and level).
-class LogCapture {
- public:
-  LogCapture() : m_previous{log_level()} {
-    set_log_sink([this](LogLevel, std::string_view message) {
-      const std::lock_guard lock{m_mutex};
-      m_lines.emplace_back(message);
-    });
-    if (m_previous > LogLevel::warn) set_log_level(LogLevel::warn);
-  }
-  ~LogCapture() {
-    set_log_level(m_previous);
-    set_log_sink({});
-  }
-  LogCapture(const LogCapture&) = delete;
-  LogCapture& operator=(const LogCapture&) = delete;
-  LogCapture(LogCapture&&) = delete;
-  LogCapture& operator=(LogCapture&&) = delete;
-
-  [[nodiscard]] std::size_t count(std::string_view text) const {
-    const std::lock_guard lock{m_mutex};
-    return static_cast<std::size_t>(std::count_if(
-        m_lines.begin(), m_lines.end(),
-        [&](const std::string& line) { return line.find(text) != std::string::npos; }));
-  }
-
-  [[nodiscard]] std::string text() const {
-    const std::lock_guard lock{m_mutex};
-    std::string out;
-    for (const auto& line : m_lines) out += line + "\n";
-    return out;
-  }
-
- private:
-  LogLevel m_previous;
-  mutable std::mutex m_mutex;
-  std::vector<std::string> m_lines;
-};
 
 // A plain TCP socket bound, with SO_REUSEADDR, to a port the kernel picks: the port two
 // connections will share.
@@ -171,7 +132,7 @@ TEST_P(SourcePorts, ACollidingConnectionIsRefusedAndANetio3ClientRetriesFromANew
   constexpr std::uint64_t TAG_A = 0xA;
   constexpr std::uint64_t TAG_B = 0xB;
   constexpr std::uint64_t BATCH = 200;
-  const LogCapture logs;
+  const test::LogCapture logs{LogLevel::warn};
   Node server{GetParam(), ThreadSafetyModel::SAFE};
   Node client{GetParam(), ThreadSafetyModel::SAFE};
   const auto listen_a =
@@ -270,7 +231,7 @@ TEST_P(SourcePorts, ACollidingConnectionIsRefusedAndANetio3ClientRetriesFromANew
 // unharmed. Each attempt gets a port from which the server has a connection already.
 TEST_P(SourcePorts, RetriesFromNewSourcePortsAreBounded) {
   constexpr auto ATTEMPTS = static_cast<std::size_t>(detail::SOURCE_PORT_RETRIES + 1);
-  const LogCapture logs;
+  const test::LogCapture logs{LogLevel::warn};
   Node server{GetParam(), ThreadSafetyModel::SAFE};
   Node client{GetParam(), ThreadSafetyModel::SAFE};
   std::vector<std::uint8_t> region;
@@ -321,11 +282,10 @@ TEST_P(SourcePorts, RetriesFromNewSourcePortsAreBounded) {
 // greeting and reported the connection established. It is refused.
 TEST_P(SourcePorts, ASocketConnectedToItselfIsRefused) {
   Node client{GetParam(), ThreadSafetyModel::SAFE};
-  const SharedPort unused;  // bound, not listening: nothing accepts on this port
-  ASSERT_NE(unused.port, 0);
+  const std::uint16_t unused = test::unused_port();
   std::vector<std::uint8_t> region;
-  detail::force_next_source_port(unused.port);
-  client.backend->open_active_endpoint({test::test_address(), unused.port},
+  detail::force_next_source_port(unused);
+  client.backend->open_active_endpoint({test::test_address(), unused},
                                        sender_params(client.traits, SendMode::BUFFERED, region));
   ASSERT_TRUE(client.rec.wait(
       [](const Recorder& r) { return r.count(Kind::REFUSED) + r.count(Kind::ESTABLISHED) >= 1; }));

@@ -187,51 +187,6 @@ class AsyncRun {
   std::future<void> m_future;
 };
 
-// Captures netio3 log messages for the lifetime of the object.
-class LogCapture {
- public:
-  LogCapture() : m_previous_level{log_level()} {
-    set_log_level(LogLevel::info);
-    set_log_sink([this](LogLevel level, std::string_view message) {
-      {
-        const std::lock_guard lock{m_mutex};
-        m_messages.emplace_back(level, std::string{message});
-      }
-      m_cv.notify_all();
-    });
-  }
-  ~LogCapture() {
-    set_log_sink({});
-    set_log_level(m_previous_level);
-  }
-  LogCapture(const LogCapture&) = delete;
-  LogCapture& operator=(const LogCapture&) = delete;
-  LogCapture(LogCapture&&) = delete;
-  LogCapture& operator=(LogCapture&&) = delete;
-
-  // Number of error messages containing `needle`.
-  [[nodiscard]] std::size_t errors_containing(std::string_view needle) const {
-    const std::lock_guard lock{m_mutex};
-    return count_locked(needle);
-  }
-  [[nodiscard]] bool wait_errors(std::string_view needle, std::size_t n) {
-    std::unique_lock lock{m_mutex};
-    return m_cv.wait_for(lock, DEFAULT_TIMEOUT, [&] { return count_locked(needle) >= n; });
-  }
-
- private:
-  [[nodiscard]] std::size_t count_locked(std::string_view needle) const {
-    std::size_t n = 0;
-    for (const auto& [level, text] : m_messages) {
-      if (level == LogLevel::error && text.find(needle) != std::string::npos) ++n;
-    }
-    return n;
-  }
-
-  LogLevel m_previous_level;
-  mutable std::mutex m_mutex;
-  std::condition_variable m_cv;
-  std::vector<std::pair<LogLevel, std::string>> m_messages;
-};
+using test::LogCapture;
 
 }  // namespace netio3::test::evloop

@@ -299,10 +299,10 @@ TEST(EvloopExceptions, EscapingCallbackExceptionsAreLoggedAndTheLoopKeepsRunning
   ASSERT_TRUE(fd_calls.wait_at_least(1));
   ASSERT_TRUE(signal_calls.wait_at_least(1));
   ASSERT_TRUE(timer_calls.wait_at_least(1));
-  EXPECT_TRUE(log.wait_errors("fd callback failure", 1));
-  EXPECT_TRUE(log.wait_errors("timer callback failure", 1));
-  EXPECT_TRUE(log.wait_errors("posted task failure", 1));
-  EXPECT_TRUE(log.wait_errors("unknown exception", 1));
+  EXPECT_TRUE(log.wait("fd callback failure", 1, LogLevel::error));
+  EXPECT_TRUE(log.wait("timer callback failure", 1, LogLevel::error));
+  EXPECT_TRUE(log.wait("posted task failure", 1, LogLevel::error));
+  EXPECT_TRUE(log.wait("unknown exception", 1, LogLevel::error));
 
   // Still dispatching everything.
   EXPECT_TRUE(loop.is_running());
@@ -444,8 +444,8 @@ TEST(EvloopPrepareHook, ThrowingHookIsLoggedAndTheLoopKeepsRunning) {
   settle(loop);
   EXPECT_GE(calls.value(), 3);
   EXPECT_TRUE(loop.is_running());
-  EXPECT_TRUE(log.wait_errors("hook failure", 1));
-  EXPECT_EQ(log.errors_containing("prepare hook"), 2U);
+  EXPECT_TRUE(log.wait("hook failure", 1, LogLevel::error));
+  EXPECT_EQ(log.count("prepare hook", LogLevel::error), 2U);
 }
 
 }  // namespace

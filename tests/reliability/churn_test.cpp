@@ -74,7 +74,8 @@ class Churn : public ::testing::TestWithParam<BackendType> {
   [[nodiscard]] std::unique_ptr<NetworkBackend> make(
       Recorder& rec, test::LoopThread& loop,
       ThreadSafetyModel model = ThreadSafetyModel::SAFE) const {
-    return Netio3Backend::create(GetParam(), rec.config(model, test::mode_for(GetParam())), loop.loop());
+    return Netio3Backend::create(GetParam(), rec.config(model, test::mode_for(GetParam())),
+                                 loop.loop());
   }
 };
 
@@ -102,8 +103,8 @@ TEST(DISABLED_ChurnClient, Cycles) {
   Recorder rec;
   rec.keep_data(false);
   test::LoopThread loop;
-  auto backend = Netio3Backend::create(*type, rec.config(ThreadSafetyModel::SAFE, test::mode_for(*type)),
-                                       loop.loop());
+  auto backend = Netio3Backend::create(
+      *type, rec.config(ThreadSafetyModel::SAFE, test::mode_for(*type)), loop.loop());
   const auto cycle = [&](std::size_t n) {
     backend->open_active_endpoint(listen, endpoint_params());
     ASSERT_TRUE(rec.wait([&](const Recorder& r) { return r.count(Kind::ESTABLISHED) == n + 1; }))
@@ -302,9 +303,6 @@ TEST_P(Churn, SafeModeHammeredFromManyThreadsKeepsExactAccounts) {
   // this test with separate client and server backends, never in 8 with one.) Only the
   // active endpoints send; the accepted side only receives.
   std::vector<EndPointAddress> targets;
-  const auto is_target = [&](const EndPointAddress& remote) {
-    return std::find(targets.begin(), targets.end(), remote) != targets.end();
-  };
   // A NetworkBuffer* is valid until its connection's closed (or refused) callback
   // (docs/semantics.md), so a buffered sender holds its target's lock in shared mode from
   // get_buffer to send_buffer, and a close takes it exclusively: close_active_endpoint, and
@@ -316,7 +314,8 @@ TEST_P(Churn, SafeModeHammeredFromManyThreadsKeepsExactAccounts) {
     if (it == targets.end()) return std::unique_lock<std::shared_mutex>{};
     return std::unique_lock{target_locks[static_cast<std::size_t>(it - targets.begin())]};
   };
-  NetworkConfig config{.mode = test::mode_for(GetParam()), .thread_safety = ThreadSafetyModel::SAFE};
+  NetworkConfig config{.mode = test::mode_for(GetParam()),
+                       .thread_safety = ThreadSafetyModel::SAFE};
   config.on_send_completed_cb = [&](const EndPointAddress&, std::uint64_t key) {
     const std::lock_guard lock{mutex};
     end_key(key, "completion");
@@ -324,10 +323,10 @@ TEST_P(Churn, SafeModeHammeredFromManyThreadsKeepsExactAccounts) {
   config.on_connection_closed_cb = [&](const EndPointAddress& remote,
                                        const std::vector<std::uint64_t>& keys) {
     {
-      const auto target_lock = lock_target(remote);
+      const auto target_lock = lock_target(remote);  // owns a lock iff remote is a target
       const std::lock_guard lock{mutex};
       for (const auto key : keys) end_key(key, "cancellation");
-      if (is_target(remote)) ++closed_or_refused;
+      if (target_lock.owns_lock()) ++closed_or_refused;
     }
     cv.notify_all();
   };

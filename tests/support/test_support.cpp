@@ -16,6 +16,53 @@
 
 namespace netio3::test {
 
+struct LogCapture::State {
+  mutable std::mutex mutex;
+  std::condition_variable cv;
+  std::vector<std::pair<LogLevel, std::string>> lines;
+
+  [[nodiscard]] std::size_t count_locked(std::string_view needle, LogLevel level) const {
+    return static_cast<std::size_t>(std::count_if(lines.begin(), lines.end(), [&](const auto& l) {
+      return l.first >= level && l.second.find(needle) != std::string::npos;
+    }));
+  }
+};
+
+LogCapture::LogCapture(LogLevel level)
+    : m_previous{log_level()}, m_state{std::make_shared<State>()} {
+  set_log_sink([state = m_state](LogLevel at, std::string_view message) {
+    {
+      const std::lock_guard lock{state->mutex};
+      state->lines.emplace_back(at, std::string{message});
+    }
+    state->cv.notify_all();
+  });
+  if (m_previous > level) set_log_level(level);
+}
+
+LogCapture::~LogCapture() {
+  set_log_level(m_previous);
+  set_log_sink({});
+}
+
+std::size_t LogCapture::count(std::string_view needle, LogLevel level) const {
+  const std::lock_guard lock{m_state->mutex};
+  return m_state->count_locked(needle, level);
+}
+
+bool LogCapture::wait(std::string_view needle, std::size_t n, LogLevel level) {
+  std::unique_lock lock{m_state->mutex};
+  return m_state->cv.wait_for(lock, DEFAULT_TIMEOUT,
+                              [&] { return m_state->count_locked(needle, level) >= n; });
+}
+
+std::string LogCapture::text() const {
+  const std::lock_guard lock{m_state->mutex};
+  std::string out;
+  for (const auto& line : m_state->lines) out += line.second + "\n";
+  return out;
+}
+
 DescriptorLimit::DescriptorLimit(std::size_t want) {
   rlimit limit{};
   ::getrlimit(RLIMIT_NOFILE, &limit);

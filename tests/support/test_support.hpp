@@ -11,6 +11,7 @@
 #include <mutex>
 #include <shared_mutex>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -50,6 +51,30 @@ bool eventually(Pred pred, std::chrono::milliseconds timeout) {
   }
   return true;
 }
+
+// Captures netio3's log for its lifetime, then restores the default sink and the level. The
+// level is lowered to `level` if it was higher, so that lines of that level are formatted.
+class LogCapture {
+ public:
+  explicit LogCapture(LogLevel level = LogLevel::info);
+  ~LogCapture();
+  LogCapture(const LogCapture&) = delete;
+  LogCapture& operator=(const LogCapture&) = delete;
+  LogCapture(LogCapture&&) = delete;
+  LogCapture& operator=(LogCapture&&) = delete;
+
+  // Lines of `level` or above that contain `needle`.
+  [[nodiscard]] std::size_t count(std::string_view needle, LogLevel level = LogLevel::trace) const;
+  // Waits (DEFAULT_TIMEOUT) until count(needle, level) >= n.
+  [[nodiscard]] bool wait(std::string_view needle, std::size_t n, LogLevel level = LogLevel::trace);
+  // Every line captured, each followed by a newline (for failure messages).
+  [[nodiscard]] std::string text() const;
+
+ private:
+  struct State;
+  LogLevel m_previous;
+  std::shared_ptr<State> m_state;  // shared with the sink, which may outlive a late call
+};
 
 // Raises the soft RLIMIT_NOFILE to at least `want` (within the hard limit) for the scope.
 class DescriptorLimit {
