@@ -7,14 +7,19 @@
 // after the closed callback; what was received is a gap-free, in-order prefix of the stream
 // with intact content; and the backend then takes a new connection and moves data on it.
 
+#include <arpa/inet.h>
+#include <cerrno>
 #include <csignal>
+#include <cstring>
 #include <iostream>
 #include <memory>
 #include <optional>
 #include <stop_token>
 #include <string>
+#include <sys/socket.h>
 #include <thread>
 #include <tuple>
+#include <unistd.h>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -120,6 +125,38 @@ class PeerKilled : public ::testing::TestWithParam<std::tuple<Target, KillCase>>
       std::vector<std::uint8_t>(kase().mode == SendMode::ZERO_COPY ? 64 * kase().size : 0);
 };
 
+// Keeps `address`'s port bound in this process (not listening), so that no new socket of
+// this host is given it: the Observer knows connections by their remote address, and a second
+// peer that got the dead one's port would have its reports counted as the first one's.
+class PortHold {
+ public:
+  explicit PortHold(const EndPointAddress& address)
+      : m_fd{::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0)} {
+    sockaddr_in in{};
+    in.sin_family = AF_INET;
+    in.sin_port = htons(address.port);
+    ::inet_pton(AF_INET, address.address.c_str(), &in.sin_addr);
+    // SO_REUSEADDR: the dead peer's sockets may linger in TIME_WAIT on it. The kernel never
+    // picks a port that a socket is bound to for a bind to port 0, SO_REUSEADDR or not.
+    const int one = 1;
+    if (m_fd < 0 || ::setsockopt(m_fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one)) != 0 ||
+        (::bind(m_fd, reinterpret_cast<const sockaddr*>(&in), sizeof(in)) != 0 &&  // NOLINT
+         errno != EADDRINUSE)) {
+      ADD_FAILURE() << "cannot hold the port of " << address << ": " << std::strerror(errno);
+    }
+  }
+  ~PortHold() {
+    if (m_fd >= 0) ::close(m_fd);
+  }
+  PortHold(const PortHold&) = delete;
+  PortHold& operator=(const PortHold&) = delete;
+  PortHold(PortHold&&) = delete;
+  PortHold& operator=(PortHold&&) = delete;
+
+ private:
+  int m_fd;
+};
+
 TEST_P(PeerKilled, CloseIsReportedNothingIsLostAndTheBackendCarriesOn) {
   Side side{type(), kase().size, {}, network()};
   std::optional<EndPointAddress> listen;
@@ -192,6 +229,7 @@ TEST_P(PeerKilled, CloseIsReportedNothingIsLostAndTheBackendCarriesOn) {
   }
 
   // ---- A second peer: the backend still connects and moves data.
+  const PortHold dead_peers_port{*remote};
   std::unique_ptr<ChildProcess> second_peer;
   const auto second = connect_peer(side, second_peer, peer_options(2, AFTER), params(), listen);
   ASSERT_TRUE(second.has_value());
