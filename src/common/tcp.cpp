@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <deque>
@@ -136,7 +137,28 @@ int bind_source_port(int fd, int family) {
     std::memcpy(&any.storage, &in6, sizeof(in6));
     any.length = sizeof(in6);
   }
-  return ::bind(fd, any.get(), any.length) == 0 ? 0 : errno;
+  if (::bind(fd, any.get(), any.length) == 0) return 0;
+  const int err = errno;
+  if (err != EADDRINUSE) return err;
+  source_port_unavailable(forced);
+  return 0;
+}
+
+void source_port_unavailable(std::uint16_t port) {
+  static std::atomic<bool> warned{false};
+  const auto why =
+      port == 0 ? std::string{"no port of the ephemeral range is free of other sockets (TIME_WAIT "
+                              "ones included)"}
+                : fmt::format("port {} is taken", port);
+  if (!warned.exchange(true)) {
+    NETIO3_WARN(
+        "no source port of its own for a new connection: {}; connect() picks one, which other "
+        "connections to other destinations may share (a server that sees two connections from "
+        "one address refuses the second, and the client retries). Said once per process",
+        why);
+  } else {
+    NETIO3_DEBUG("no source port of its own for a new connection: {}", why);
+  }
 }
 
 ConnectStart connect_tcp(const EndPointAddress& address, std::chrono::milliseconds peer_timeout) {

@@ -50,10 +50,19 @@ std::pair<Socket, EndPointAddress> listen_tcp(const EndPointAddress& address);
 // Binds the socket `fd` (of `family`, AF_INET or AF_INET6) to the wildcard address and port 0,
 // before it connects: the kernel then gives it a source port that no other socket uses, and
 // still chooses the interface at connect as for an unbound socket. Returns 0 or the errno.
-// The cost: a port bound this way is not shared with connections to other destinations, so a
-// client can hold at most about the size of the ephemeral range (net.ipv4.ip_local_port_range,
-// 28,232 ports by default) of such connections at once, all destinations together.
+// The cost: a port bound this way is not shared with connections to other destinations, and
+// the kernel gives none that a TIME_WAIT socket holds, so a client has about the ephemeral
+// range (net.ipv4.ip_local_port_range, 28,232 ports by default) for its open connections and
+// those it closed in the last minute, all destinations together. When none is free (bind
+// fails with EADDRINUSE) the socket stays unbound and connect() picks the port, as without
+// this (source_port_unavailable); 0 is returned then too.
 int bind_source_port(int fd, int family);
+
+// Says (a warning once per process, debug lines after) that a new connection goes without a
+// source port of its own because none is free (`port` 0) or the port forced on it is taken:
+// connect() chooses one, which connections to other destinations may share; a server that
+// then sees two connections from one address refuses the second, and the client retries.
+void source_port_unavailable(std::uint16_t port);
 
 // For tests: the next calls of bind_source_port (or of libfabric's source-port reservation),
 // process-wide, bind to these ports in turn, with SO_REUSEADDR, instead of taking a port of

@@ -293,6 +293,30 @@ TEST_P(SourcePorts, ASocketConnectedToItselfIsRefused) {
   EXPECT_EQ(client.rec.count_now(Kind::REFUSED), 1U);
 }
 
+// When a new connection cannot get a source port of its own (none is free - a client that
+// closed tens of thousands of connections within a minute holds the ephemeral range in
+// TIME_WAIT - or, as here, the port forced on it is taken by a listener), it still connects:
+// from a port connect() picks, with one line that says why.
+TEST_P(SourcePorts, WithoutAPortOfItsOwnAConnectionIsStillMade) {
+  const test::LogCapture logs{LogLevel::debug};  // a warning the first time, debug after
+  Node server{GetParam(), ThreadSafetyModel::SAFE};
+  Node client{GetParam(), ThreadSafetyModel::SAFE};
+  const auto listen =
+      server.backend->open_listen_endpoint({test::test_address(), 0}, receiver_params(BUF_SIZE));
+  const test::RawListener taken;  // listening: nobody else can bind its port
+  std::vector<std::uint8_t> region;
+  detail::force_next_source_port(taken.address().port);
+  client.backend->open_active_endpoint(listen,
+                                       sender_params(client.traits, SendMode::BUFFERED, region));
+  const auto remote = wait_connected(client, server, listen);
+  ASSERT_TRUE(remote) << logs.text();
+  EXPECT_NE(remote->port, taken.address().port);
+  EXPECT_EQ(client.rec.count_now(Kind::REFUSED), 0U);
+  EXPECT_EQ(logs.count("no source port of its own"), 1U) << logs.text();
+  ASSERT_EQ(send_one(client, listen, SendMode::BUFFERED, tagged(1, 0), region, 0), NetioStatus::OK);
+  ASSERT_TRUE(server.rec.wait([](const Recorder& r) { return r.count(Kind::DATA) == 1; }));
+}
+
 std::vector<BackendType> fixed_backends() {
   std::vector<BackendType> out;
   for (const auto type : backends()) {

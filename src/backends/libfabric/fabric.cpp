@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cerrno>
 #include <cstdlib>
 #include <cstring>
 #include <netinet/in.h>
@@ -119,8 +120,15 @@ detail::Socket reserve_source_port(fi_info* info) {
   if (::setsockopt(socket.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one)) != 0) {
     fail("SO_REUSEADDR");
   }
-  set_port(htons(detail::take_forced_source_port()));  // 0 but in tests (tcp.hpp)
-  if (::bind(socket.get(), source, length) != 0) fail("bind");
+  const std::uint16_t port = detail::take_forced_source_port();  // 0 but in tests (tcp.hpp)
+  set_port(htons(port));
+  if (::bind(socket.get(), source, length) != 0) {
+    if (errno != EADDRINUSE) fail("bind");
+    // No port free: the provider's connect picks one (IP_BIND_ADDRESS_NO_PORT, port 0).
+    set_port(0);
+    detail::source_port_unavailable(port);
+    return {};
+  }
   sockaddr_storage bound{};
   socklen_t bound_length = sizeof(bound);
   if (::getsockname(socket.get(), reinterpret_cast<sockaddr*>(&bound), &bound_length) != 0) {

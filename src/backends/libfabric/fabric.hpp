@@ -70,7 +70,8 @@ struct ProviderChoice {
 // the kernel's port is written into info->src_addr, and the provider binds beside it. The
 // returned socket holds the port until the endpoint has it: keep it open until fi_endpoint
 // returned. Only for the tcp provider ("tcp", "net"; the sockets provider names a listener of
-// its own per endpoint, unique already); an invalid socket otherwise. Throws
+// its own per endpoint, unique already), or when no port is free (the provider's connect then
+// picks one, detail::source_port_unavailable); an invalid socket otherwise. Throws
 // std::runtime_error with the failing step.
 [[nodiscard]] detail::Socket reserve_source_port(fi_info* info);
 
