@@ -370,6 +370,7 @@ BENCHMARK(BM_ChunkCache_TakeGive);
 // ---- one message through the send path, without system calls -------------------------------
 
 struct PathConn {
+  std::uint64_t id{1};
   EndPointAddress remote;
   std::uint64_t listener_id{0};
   std::atomic<bool> close_requested{false};
@@ -381,6 +382,7 @@ struct PathConn {
 };
 struct PathListener {
   std::uint64_t id{1};
+  EndPointAddress address;
 };
 
 // A model of asyncmsg's send_data_copy + flush for range(0)-byte messages, range(1) per
@@ -394,7 +396,7 @@ void BM_AsyncmsgSendPath_NoSyscall(benchmark::State& state) {
   const auto batch = static_cast<std::size_t>(state.range(1));
   const std::vector<std::uint8_t> payload(size, 0x17);
   const iovec payload_iov{const_cast<std::uint8_t*>(payload.data()), size};  // NOLINT
-  detail::EndpointRegistry<PathConn, PathListener> registry{"asyncmsg"};
+  detail::EndpointRegistry<PathConn, PathListener> registry{"asyncmsg", true};
   const EndPointAddress remote{"192.168.100.123", 12345};
   {
     auto conn = std::make_shared<PathConn>(std::make_shared<asyncmsg::ChunkCache>(32));

@@ -272,19 +272,21 @@ BENCHMARK(BM_Notifier_Data);
 // ---- endpoint registry ---------------------------------------------------------------------
 
 struct RegConn {
+  std::uint64_t id{1};
   EndPointAddress remote;
   std::uint64_t listener_id{0};
   std::atomic<bool> close_requested{false};
 };
 struct RegListener {
   std::uint64_t id{1};
+  EndPointAddress address;
 };
 
 // EndpointRegistry::get, done by every send*() call: lock, hash the address string, look
 // it up, copy a shared_ptr. range(0) connections registered; lookups cycle through them.
 void BM_Registry_Get(benchmark::State& state) {
   const auto n = static_cast<std::size_t>(state.range(0));
-  detail::EndpointRegistry<RegConn, RegListener> registry{"bench"};
+  detail::EndpointRegistry<RegConn, RegListener> registry{"bench", true};
   std::vector<EndPointAddress> addresses;
   for (std::size_t i = 0; i < n; ++i) {
     auto conn = std::make_shared<RegConn>();

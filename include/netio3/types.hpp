@@ -2,7 +2,8 @@
 
 // Value types of the netio3 public API: addresses, enums, connection parameters and the
 // backend configuration with its callback table. Names and member order are part of the
-// contract (see docs/api.md); further members are only ever appended.
+// contract (docs/semantics.md and the user documentation); further members are only ever
+// appended.
 
 #include <chrono>
 #include <compare>

@@ -7,7 +7,9 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <string>
 #include <string_view>
+#include <sys/uio.h>
 
 #include <fmt/format.h>
 #include <netio3/exceptions.hpp>
@@ -21,16 +23,31 @@
 
 namespace netio3::detail {
 
+// The phases of every connection (docs/semantics.md). Set-up has two: the transport's
+// connection is being made (CONNECTING), then netio3's own greeting or the provider's
+// handshake (HANDSHAKE). CLOSING lasts until the transport holds nothing of the connection
+// whose end must come before the report; CLOSED: reported (or dropped unreported).
+enum class Phase : std::uint8_t { CONNECTING, HANDSHAKE, OPEN, CLOSING, CLOSED };
+
+// Why a connection ends: the application closed it (or its listener), the peer did, or an
+// error (refusals, timeouts and failures included).
+enum class CloseCause : std::uint8_t { LOCAL, PEER, ERROR };
+
 struct ConnectionBase {
-  ConnectionBase(EndPointAddress remote_, const ConnectionParameters& params_,
-                 std::uint64_t listener_id_, bool thread_safe)
-      : remote{std::move(remote_)},
+  ConnectionBase(std::uint64_t id_, EndPointAddress remote_, const ConnectionParameters& params_,
+                 std::uint64_t listener_id_, bool thread_safe, Phase initial)
+      : id{id_},
+        remote{std::move(remote_)},
         params{params_},
         listener_id{listener_id_},
-        mutex{thread_safe} {}
+        mutex{thread_safe},
+        phase{initial} {}
 
   [[nodiscard]] bool active() const noexcept { return listener_id == 0; }
+  [[nodiscard]] bool setting_up() const noexcept { return phase < Phase::OPEN; }
+  [[nodiscard]] bool ending() const noexcept { return phase >= Phase::CLOSING; }
 
+  const std::uint64_t id;  // the backend's by-id index (unique among its connections)
   const EndPointAddress remote;
   const ConnectionParameters params;
   const std::uint64_t listener_id;  // 0: opened by open_active_endpoint
@@ -40,10 +57,20 @@ struct ConnectionBase {
   int source_port_retries{0};
 
   // Guards what follows (and the backend's own per-connection state).
-  OptionalMutex mutex;
+  mutable OptionalMutex mutex;
+  // Written on the loop thread only (under `mutex`): the loop reads it without the lock.
+  Phase phase;
   SendLedger ledger;
   BufferPool* send_pool{nullptr};  // shared or own_send_pool; null: no buffered sending
   std::unique_ptr<BufferPool> own_send_pool;
+
+  // How it ends, from the moment it is CLOSING (loop thread only).
+  struct Ending {
+    CloseCause cause{CloseCause::LOCAL};
+    std::string reason;
+    bool was_open{false};
+    bool reported{true};  // false: replaced under its address, the application never hears
+  } ending_info;
 };
 
 // A connection the server refused because it has one from the same source address and port
@@ -131,6 +158,25 @@ inline bool header_ok(const EndPointAddress& remote, std::span<const std::uint8_
   NETIO3_WARN("{}: send to {}: header_data of {} bytes exceeds the limit of {}", backend, remote,
               header.size(), MAX_HEADER_SIZE);
   return false;
+}
+
+// send_data: true when every piece of `iov` lies inside the zero-copy region; false (logged)
+// otherwise. Compares addresses as integers and never forms a pointer past the region.
+inline bool inside_region(const EndPointAddress& remote, std::span<const iovec> iov,
+                          std::span<const std::uint8_t> region, std::string_view backend) {
+  const auto start = reinterpret_cast<std::uintptr_t>(region.data());  // NOLINT
+  for (const auto& v : iov) {
+    if (v.iov_len == 0) continue;
+    const auto at = reinterpret_cast<std::uintptr_t>(v.iov_base);  // NOLINT
+    if (at >= start && v.iov_len <= region.size() && at - start <= region.size() - v.iov_len) {
+      continue;
+    }
+    NETIO3_WARN("{}: send_data to {}: {} bytes at {} lie outside the registered region [{}, +{})",
+                backend, remote, v.iov_len, v.iov_base, static_cast<const void*>(region.data()),
+                region.size());
+    return false;
+  }
+  return true;
 }
 
 }  // namespace netio3::detail

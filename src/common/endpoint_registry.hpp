@@ -8,9 +8,13 @@
 // it, so a backend can compose "check, create, register, insert" into one critical
 // section (a readiness event may be dispatched before that sequence returns).
 //
-// Conn needs: `remote` (EndPointAddress), `listener_id` (0 for active endpoints) and
-// `close_requested` (std::atomic<bool>). Listener needs: `id` (> 0).
+// Beside the tables, an index by id: the transports' completions and events name a
+// connection or listener by the id they were given when posted.
+//
+// The mutex is off for ThreadSafetyModel::UNSAFE (every call comes from the loop thread).
 
+#include <concepts>
+#include <cstdint>
 #include <memory>
 #include <mutex>
 #include <string_view>
@@ -23,17 +27,72 @@
 #include <netio3/types.hpp>
 
 #include "common/endpoint_rules.hpp"
+#include "common/thread_model.hpp"
 
 namespace netio3::detail {
 
-template <typename Conn, typename Listener>
+// What the registry needs of a connection and of a listener.
+template <typename Conn>
+concept RegisteredConnection = requires(Conn& c) {
+  { c.id } -> std::convertible_to<std::uint64_t>;
+  { c.remote } -> std::convertible_to<EndPointAddress>;
+  { c.listener_id } -> std::convertible_to<std::uint64_t>;  // 0: an active endpoint
+  c.close_requested.store(true);
+};
+template <typename Listener>
+concept RegisteredListener = requires(Listener& l) {
+  { l.id } -> std::convertible_to<std::uint64_t>;  // > 0
+  { l.address } -> std::convertible_to<EndPointAddress>;
+};
+
+template <RegisteredConnection Conn, RegisteredListener Listener>
 class EndpointRegistry {
  public:
-  using Lock = std::unique_lock<std::mutex>;
+  using Lock = std::unique_lock<OptionalMutex>;
 
-  explicit EndpointRegistry(std::string_view backend) : m_backend{backend} {}
+  EndpointRegistry(std::string_view backend, bool thread_safe)
+      : m_backend{backend}, m_mutex{thread_safe} {}
 
   [[nodiscard]] Lock lock() { return Lock{m_mutex}; }
+
+  // ---- the index by id (connections from creation until forget(), listeners until
+  // forget_listener()) ------------------------------------------------------------------
+
+  void index(const Lock& /*held*/, const std::shared_ptr<Conn>& conn) {
+    m_by_id.emplace(conn->id, conn);
+  }
+  void index(const Lock& /*held*/, const std::shared_ptr<Listener>& listener) {
+    m_listeners_by_id.emplace(listener->id, listener);
+  }
+  void index(const std::shared_ptr<Conn>& conn) { index(lock(), conn); }
+  void forget(std::uint64_t id) { forget_locked(lock(), id); }
+  void forget_locked(const Lock& /*held*/, std::uint64_t id) { m_by_id.erase(id); }
+  void forget_listener(std::uint64_t id) {
+    const Lock held = lock();
+    m_listeners_by_id.erase(id);
+  }
+  [[nodiscard]] std::shared_ptr<Conn> by_id(std::uint64_t id) {
+    const Lock held = lock();
+    const auto it = m_by_id.find(id);
+    return it == m_by_id.end() ? nullptr : it->second.lock();
+  }
+  [[nodiscard]] bool id_in_use(const Lock& /*held*/, std::uint64_t id) const {
+    return m_by_id.contains(id);
+  }
+  [[nodiscard]] std::shared_ptr<Listener> listener_by_id(std::uint64_t id) {
+    const Lock held = lock();
+    const auto it = m_listeners_by_id.find(id);
+    return it == m_listeners_by_id.end() ? nullptr : it->second.lock();
+  }
+  // Every indexed connection still alive (backend shutdown).
+  [[nodiscard]] std::vector<std::shared_ptr<Conn>> indexed() {
+    const Lock held = lock();
+    std::vector<std::shared_ptr<Conn>> all;
+    for (const auto& [id, weak] : m_by_id) {
+      if (auto conn = weak.lock()) all.push_back(std::move(conn));
+    }
+    return all;
+  }
 
   // ---- listeners -----------------------------------------------------------------------
 
@@ -165,12 +224,21 @@ class EndpointRegistry {
     return all;
   }
 
+  // Empties the index (backend shutdown, after take_all).
+  void clear_index() {
+    const Lock held = lock();
+    m_by_id.clear();
+    m_listeners_by_id.clear();
+  }
+
  private:
   std::string_view m_backend;
-  std::mutex m_mutex;
+  OptionalMutex m_mutex;
   std::unordered_map<EndPointAddress, std::shared_ptr<Listener>> m_listeners;
   std::unordered_map<EndPointAddress, std::shared_ptr<Conn>> m_connections;
   std::vector<std::shared_ptr<Conn>> m_closing;
+  std::unordered_map<std::uint64_t, std::weak_ptr<Conn>> m_by_id;
+  std::unordered_map<std::uint64_t, std::weak_ptr<Listener>> m_listeners_by_id;
 };
 
 }  // namespace netio3::detail

@@ -3,11 +3,15 @@
 // cancelled keys, back-pressure, destruction with open connections.
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <map>
+#include <mutex>
 #include <set>
+#include <string>
 #include <thread>
 #include <utility>
 
@@ -543,6 +547,103 @@ TEST_P(Lifecycle, SendingBeforeEstablishedIsNoResources) {
   ASSERT_TRUE(
       client->rec.wait([&](const Recorder& r) { return r.count(Kind::CLOSED, silent) == 1; }));
   EXPECT_EQ(client->rec.count_now(Kind::ESTABLISHED), 0U);
+}
+
+// No callback runs inside open_active_endpoint, send_*, close_active_endpoint or
+// close_listen_endpoint called on the loop thread (docs/semantics.md): what they cause (a
+// refusal, completions of sends that went out at once, the close of the connection) is
+// reported from the loop after the call has returned. Each call below is made on its node's
+// loop thread between two marks, and every callback of both nodes looks at the mark of the
+// thread it runs on.
+TEST_P(Lifecycle, NoCallbackRunsInsideAnApiCallOnTheLoopThread) {
+  // Declared before the nodes: their callbacks use them until the nodes are gone.
+  static thread_local int in_api = 0;
+  std::mutex mutex;
+  std::vector<std::string> nested;
+  auto server = make_node();
+  auto client = make_node();
+  for (auto* node : {server.get(), client.get()}) {
+    const std::string name = node == server.get() ? "server" : "client";
+    node->rec.set_hook([&, name](const Recorder::Event& e, std::span<const std::uint8_t>) {
+      if (in_api == 0) return;
+      const std::lock_guard lock{mutex};
+      constexpr std::array<std::string_view, 5> NAMES{"established", "closed", "refused",
+                                                      "send completed", "data"};
+      nested.push_back(fmt::format("{}: {} callback inside an API call", name,
+                                   NAMES.at(static_cast<std::size_t>(e.kind))));
+    });
+  }
+  const auto on_loop = [](Node& node, const std::function<void()>& f) {
+    node.loop.loop()->run_sync([&] {
+      ++in_api;
+      f();
+      --in_api;
+    });
+  };
+  const auto params = [&] { return sender_params(client->traits, GetParam().mode, region); };
+
+  // A refusal (nothing listens there), and a close during set-up.
+  const EndPointAddress nobody{test::test_address(), test::unused_port()};
+  on_loop(*client, [&] { client->backend->open_active_endpoint(nobody, params()); });
+  ASSERT_TRUE(client->rec.wait([&](const Recorder& r) {
+    return r.count(Kind::REFUSED, nobody) + r.count(Kind::CLOSED, nobody) == 1;
+  }));
+  const auto listen = listen_on(*server);
+  on_loop(*client, [&] {
+    client->backend->open_active_endpoint(listen, params());
+    client->backend->close_active_endpoint(listen);
+  });
+  ASSERT_TRUE(
+      client->rec.wait([&](const Recorder& r) { return r.count(Kind::CLOSED, listen) == 1; }));
+
+  // Sends, several per call (completing while the calls go on); then more sends and the close
+  // in one call, from the client (round 0) or from the server with its listener (round 1).
+  for (std::size_t round = 0; round < 2; ++round) {
+    on_loop(*client, [&] { client->backend->open_active_endpoint(listen, params()); });
+    ASSERT_TRUE(client->rec.wait(
+        [&](const Recorder& r) { return r.count(Kind::ESTABLISHED, listen) == round + 1; }));
+    ASSERT_TRUE(server->rec.wait(
+        [&](const Recorder& r) { return r.count(Kind::ESTABLISHED) == round + 1; }));
+    std::optional<EndPointAddress> server_side;
+    for (const auto& e : server->rec.snapshot()) {
+      if (e.kind == Kind::ESTABLISHED) server_side = e.remote;
+    }
+    ASSERT_TRUE(server_side.has_value());
+    std::vector<std::uint64_t> accepted;
+    const std::size_t completed_before = client->rec.count_now(Kind::COMPLETED);
+    for (std::uint64_t burst = 0; burst < 4; ++burst) {
+      on_loop(*client, [&] {
+        for (std::uint64_t i = 0; i < 4; ++i)
+          (void)try_send(*client, listen, burst * 4 + i, 256, accepted);
+      });
+      ASSERT_TRUE(client->rec.wait([&](const Recorder& r) {
+        return r.count(Kind::COMPLETED) == completed_before + accepted.size();
+      }));
+    }
+    EXPECT_EQ(accepted.size(), 16U);
+    if (round == 0) {
+      on_loop(*client, [&] {
+        for (std::uint64_t i = 0; i < 4; ++i)
+          (void)try_send(*client, listen, 16 + i, 256, accepted);
+        client->backend->close_active_endpoint(listen);
+      });
+    } else {
+      on_loop(*client, [&] {
+        for (std::uint64_t i = 0; i < 4; ++i)
+          (void)try_send(*client, listen, 16 + i, 256, accepted);
+      });
+      on_loop(*server, [&] {
+        server->backend->close_active_endpoint(*server_side);
+        server->backend->close_listen_endpoint(listen);
+      });
+    }
+    ASSERT_TRUE(client->rec.wait(
+        [&](const Recorder& r) { return r.count(Kind::CLOSED, listen) == 2 + round; }));
+    ASSERT_TRUE(
+        server->rec.wait([&](const Recorder& r) { return r.count(Kind::CLOSED) == 1 + round; }));
+  }
+  const std::lock_guard lock{mutex};
+  EXPECT_TRUE(nested.empty()) << fmt::format("{}", fmt::join(nested, "\n"));
 }
 
 INSTANTIATE_TEST_SUITE_P(Conformance, Lifecycle, testing::ValuesIn(all_params()), param_name);

@@ -42,6 +42,7 @@
 #include "common/backend_facade.hpp"
 #include "common/buffer_pool.hpp"
 #include "common/connection.hpp"
+#include "common/connection_engine.hpp"
 #include "common/endpoint_registry.hpp"
 #include "common/endpoint_rules.hpp"
 #include "common/log.hpp"
@@ -97,18 +98,18 @@ struct Listener {
   std::optional<detail::AcceptPauses> pauses;  // loop thread only
 };
 
-enum class State { CONNECTING, GREETING, OPEN, CLOSED };
-enum class CloseKind { LOCAL, PEER, ERROR };
+using detail::CloseCause;
+using detail::Phase;
 
 struct Connection : detail::ConnectionBase {
-  Connection(std::shared_ptr<asio::io_context> io_, std::shared_ptr<ChunkCache> chunks,
-             EndPointAddress remote_, const ConnectionParameters& params_,
-             std::uint64_t listener_id_, State initial, std::size_t max_message_size)
-      : ConnectionBase{std::move(remote_), params_, listener_id_, true},
+  Connection(std::uint64_t id_, std::shared_ptr<asio::io_context> io_,
+             std::shared_ptr<ChunkCache> chunks, EndPointAddress remote_,
+             const ConnectionParameters& params_, std::uint64_t listener_id_, Phase initial,
+             std::size_t max_message_size)
+      : ConnectionBase{id_, std::move(remote_), params_, listener_id_, true, initial},
         io{std::move(io_)},
         socket{*io},
         decoder{max_message_size},
-        state{initial},
         queue{std::move(chunks)} {}
 
   std::shared_ptr<asio::io_context> io;
@@ -122,8 +123,7 @@ struct Connection : detail::ConnectionBase {
   bool large_messages{false};  // the last message was read directly: so will the next be
   std::size_t reserved{0};     // receive memory admitted for the message being assembled
 
-  // Under `mutex`; `state` is written on the loop thread only.
-  State state;
+  // Under `mutex`.
   SendQueue queue;
   bool flush_pending{false};
   std::size_t max_send_message{0};  // min(own limit, peer's announced limit)
@@ -148,15 +148,17 @@ void drain_and_close(tcp::socket& socket) noexcept {
   socket.close(ec);
 }
 
-class Backend : public std::enable_shared_from_this<Backend> {
+// Always thread-safe: its sockets are used on the loop thread only, and other threads only
+// queue sends under a connection's lock.
+class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
+                public std::enable_shared_from_this<Backend> {
  public:
   static constexpr BackendType TYPE = BackendType::ASYNCMSG;
-  using Registry = detail::EndpointRegistry<Connection, Listener>;
+  using Engine = detail::ConnectionEngine<Backend, Connection, Listener>;
+  friend Engine;
 
   Backend(NetworkConfig config, std::shared_ptr<BaseEventLoop> loop)
-      : m_config{std::move(config)},
-        m_loop{std::move(loop)},
-        m_notifier{NAME, m_config},
+      : Engine{NAME, std::move(config), std::move(loop), ThreadSafetyModel::SAFE},
         m_io{std::make_shared<asio::io_context>(1)},
         m_chunks{std::make_shared<ChunkCache>(CACHED_CHUNKS)},
         m_max_message{std::min(m_config.limits.max_message_size, WIRE_MAX_MESSAGE_SIZE)} {
@@ -178,6 +180,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
 
   // Registrations that need a weak self-reference; called right after construction.
   void start() {
+    start_engine();
     std::weak_ptr<Backend> weak = weak_from_this();
     m_flush_signal = m_loop->create_signal([weak] {
       if (auto self = weak.lock()) self->process_flush_list();
@@ -189,27 +192,13 @@ class Backend : public std::enable_shared_from_this<Backend> {
     m_timer = m_loop->create_timer([weak] {
       if (auto self = weak.lock()) self->housekeeping();
     });
-    m_deadlines.emplace(
-        *m_loop, NAME, m_config.limits.connect_timeout,
-        [](const Connection& conn) {
-          return conn.state == State::CONNECTING || conn.state == State::GREETING;
-        },
-        [weak](const std::shared_ptr<Connection>& conn, const std::string& reason) {
-          if (auto self = weak.lock()) self->close_connection(conn, reason, CloseKind::ERROR);
-        });
   }
-
-  [[nodiscard]] const detail::Notifier& notifier() const noexcept { return m_notifier; }
 
   // Closes everything without callbacks. Runs on the loop thread, or inline when the
   // loop is not running.
   void shutdown() noexcept {
-    if (m_shut_down.exchange(true)) return;
-    Registry::Contents all;
-    {
-      const auto held = m_registry.lock();
-      all = m_registry.take_all(held);
-    }
+    if (!begin_shutdown()) return;
+    const auto all = take_everything();
     {
       const std::lock_guard lock{m_mutex};
       m_paused.clear();
@@ -224,7 +213,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
     m_flush_signal.close();
     m_prepare.close();
     m_timer.close();
-    m_deadlines->close();
+    m_registry.clear_index();
     NETIO3_DEBUG("asyncmsg: backend shut down ({} listener(s), {} connection(s) dropped)",
                  all.listeners.size(), all.connections.size());
   }
@@ -233,12 +222,11 @@ class Backend : public std::enable_shared_from_this<Backend> {
 
   EndPointAddress open_listen_endpoint(const EndPointAddress& address,
                                        const ConnectionParameters& params) {
-    detail::check_address(address, "open_listen_endpoint");
-    detail::check_connection_parameters(params, m_config, true);
+    const ApiCall call = open_call(address, params, true);
     const auto ip = asio::ip::make_address(address.address);
     const auto held = m_registry.lock();
     if (address.port != 0) m_registry.check_listen_free(held, address);
-    auto listener = std::make_shared<Listener>(m_next_listener_id++, address, params, m_io);
+    auto listener = std::make_shared<Listener>(next_id(), address, params, m_io);
     boost::system::error_code ec;
     const tcp::endpoint endpoint{ip, address.port};
     const auto fail = [&](std::string_view step) {
@@ -258,18 +246,12 @@ class Backend : public std::enable_shared_from_this<Backend> {
     m_registry.check_listen_free(held, actual);
     listener->address = actual;
     listener->pauses.emplace(NAME, actual);
-    std::weak_ptr<Backend> weak = weak_from_this();
-    std::weak_ptr<Listener> weak_listener = listener;
     {
       // The first event may be dispatched before add_fd returns: publish the handle under
       // the listener's mutex, which the loop takes before using it.
       const std::lock_guard listener_lock{listener->mutex};
       listener->fd = m_loop->add_fd(listener->acceptor.native_handle(), EPOLLIN,
-                                    [weak, weak_listener](std::uint32_t) {
-                                      auto self = weak.lock();
-                                      auto l = weak_listener.lock();
-                                      if (self && l) self->on_acceptable(l);
-                                    });
+                                    fd_callback<&Backend::on_acceptable>(listener));
     }
     m_registry.add_listener(held, actual, std::move(listener));
     NETIO3_DEBUG("asyncmsg: listening on {}", actual);
@@ -277,12 +259,11 @@ class Backend : public std::enable_shared_from_this<Backend> {
   }
 
   void open_active_endpoint(const EndPointAddress& address, const ConnectionParameters& params) {
-    detail::check_address(address, "open_active_endpoint");
-    detail::check_connection_parameters(params, m_config, false);
+    const ApiCall call = open_call(address, params, false);
     const auto held = m_registry.lock();
     m_registry.check_connection_free(held, address);
-    auto conn = std::make_shared<Connection>(m_io, m_chunks, address, params, 0, State::CONNECTING,
-                                             m_max_message);
+    auto conn = std::make_shared<Connection>(next_id(), m_io, m_chunks, address, params, 0,
+                                             Phase::CONNECTING, m_max_message);
     attach_send_pool(*conn);
     int err = 0;
     try {
@@ -294,13 +275,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
     if (err != 0) {
       // Failed at once (e.g. no route): reported like any refusal, from the loop.
       m_registry.add_connection(held, conn);
-      std::weak_ptr<Backend> weak = weak_from_this();
-      m_loop->post([weak, conn, err] {
-        if (auto self = weak.lock()) {
-          self->close_connection(conn, fmt::format("connect failed: {}", errno_text(err)),
-                                 CloseKind::ERROR);
-        }
-      });
+      close_later(conn, fmt::format("connect failed: {}", errno_text(err)), CloseCause::ERROR);
       return;
     }
     // Writable = connected or failed; on_socket_event tells which from SO_ERROR. The
@@ -311,60 +286,8 @@ class Backend : public std::enable_shared_from_this<Backend> {
       conn->fd = m_loop->add_fd(conn->socket.native_handle(), EPOLLOUT, socket_callback(conn));
     }
     m_registry.add_connection(held, conn);
-    m_deadlines->track(conn);
+    track_setup(conn);
     NETIO3_DEBUG("asyncmsg: connecting to {}", address);
-  }
-
-  void close_listen_endpoint(const EndPointAddress& address) {
-    std::shared_ptr<Listener> listener;
-    std::vector<std::shared_ptr<Connection>> children;
-    {
-      const auto held = m_registry.lock();
-      std::tie(listener, children) = m_registry.take_listener(held, address);
-    }
-    close_acceptor(*listener);
-    NETIO3_DEBUG("asyncmsg: stopped listening on {} ({} connection(s) to close)", address,
-                 children.size());
-    if (children.empty()) return;
-    std::weak_ptr<Backend> weak = weak_from_this();
-    m_loop->post([weak, children = std::move(children)] {
-      auto self = weak.lock();
-      if (!self) return;
-      for (const auto& child : children) {
-        self->close_connection(child, "listen endpoint closed", CloseKind::LOCAL);
-      }
-    });
-  }
-
-  void close_active_endpoint(const EndPointAddress& address) {
-    std::shared_ptr<Connection> conn;
-    {
-      const auto held = m_registry.lock();
-      conn = m_registry.take_for_close(held, address);
-    }
-    std::weak_ptr<Backend> weak = weak_from_this();
-    m_loop->post([weak, conn = std::move(conn)] {
-      if (auto self = weak.lock()) self->close_connection(conn, "closed locally", CloseKind::LOCAL);
-    });
-  }
-
-  NetworkBuffer* get_buffer(const EndPointAddress& address) {
-    return detail::acquire_send_buffer(*m_registry.get(address, "get_buffer"), NAME);
-  }
-
-  NetioStatus send_buffer(const EndPointAddress& address, NetworkBuffer* buffer) {
-    const auto conn = m_registry.get(address, "send_buffer");
-    detail::BufferPool* pool = detail::claim_send_buffer(*conn, buffer, NAME);
-    if (pool == nullptr) return NetioStatus::FAILED;
-    const std::size_t size = buffer->size();
-    std::uint8_t* frame = detail::BufferPool::headroom_of(buffer, FRAME_HEADER_SIZE);
-    const auto status =
-        enqueue(conn, size, detail::PendingSend{buffer->id(), buffer}, [&](SendQueue& queue) {
-          encode_frame_header(frame, static_cast<std::uint32_t>(size));
-          queue.append_ref({frame, FRAME_HEADER_SIZE + size});
-        });
-    if (status != NetioStatus::OK) pool->abort_send(buffer);
-    return status;
   }
 
   NetioStatus send_data(const EndPointAddress& address, std::span<const iovec> iov,
@@ -385,8 +308,9 @@ class Backend : public std::enable_shared_from_this<Backend> {
   NetioStatus send_message(const EndPointAddress& address, std::span<const iovec> iov,
                            std::span<const std::uint8_t> header, std::uint64_t key,
                            Payload payload) {
-    const auto conn =
-        m_registry.get(address, payload == Payload::COPY ? "send_data_copy" : "send_data");
+    const std::string_view api = payload == Payload::COPY ? "send_data_copy" : "send_data";
+    const ApiCall call{*this, api};
+    const auto conn = connection_for(address, api);
     if (!detail::header_ok(address, header, NAME)) return NetioStatus::FAILED;
     std::size_t size = header.size();
     for (const auto& v : iov) size += v.iov_len;
@@ -407,6 +331,41 @@ class Backend : public std::enable_shared_from_this<Backend> {
     });
   }
 
+  // ---- the transport (detail::TransportOf) ---------------------------------------------
+
+  NetioStatus post_buffer(const std::shared_ptr<Connection>& conn, NetworkBuffer* buffer) {
+    const std::size_t size = buffer->size();
+    std::uint8_t* frame = detail::BufferPool::headroom_of(buffer, FRAME_HEADER_SIZE);
+    return enqueue(conn, size, detail::PendingSend{buffer->id(), buffer}, [&](SendQueue& queue) {
+      encode_frame_header(frame, static_cast<std::uint32_t>(size));
+      queue.append_ref({frame, FRAME_HEADER_SIZE + size});
+    });
+  }
+
+  void close_listener(const std::shared_ptr<Listener>& listener) { close_acceptor(*listener); }
+
+  // Closing: nothing more is read or written; an open connection that we close sends FIN
+  // and lingers (reading what still comes), anything else is closed at once.
+  void close_transport(const std::shared_ptr<Connection>& conn) {
+    {
+      const std::lock_guard lock{conn->mutex};
+      conn->receive_paused = false;
+      conn->queue.clear();
+      conn->flush_pending = false;
+      conn->fd.close();
+    }
+    release_receive_memory(*conn);
+    const auto& ending = conn->ending_info;
+    if (ending.cause == CloseCause::LOCAL && ending.was_open) {
+      linger(*conn);
+    } else {
+      drain_and_close(conn->socket);
+    }
+  }
+
+  // The kernel owns what was written: nothing to wait for.
+  [[nodiscard]] static bool quiescent(const Connection& /*conn*/) { return true; }
+
   // ---- helpers shared by the API ----------------------------------------------------
 
   // Accepts one message into the connection's queue (or says why not).
@@ -416,10 +375,10 @@ class Backend : public std::enable_shared_from_this<Backend> {
     bool need_flush = false;
     {
       const std::lock_guard lock{conn->mutex};
-      if (conn->close_requested.load(std::memory_order_relaxed) || conn->state == State::CLOSED) {
+      if (conn->close_requested.load(std::memory_order_relaxed) || conn->ending()) {
         return NetioStatus::FAILED;
       }
-      if (conn->state != State::OPEN) return NetioStatus::NO_RESOURCES;  // still connecting
+      if (conn->phase != Phase::OPEN) return NetioStatus::NO_RESOURCES;  // still connecting
       if (size > conn->max_send_message) {
         NETIO3_WARN("asyncmsg: send to {}: message of {} bytes exceeds the limit of {} bytes",
                     conn->remote, size, conn->max_send_message);
@@ -460,12 +419,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
   }
 
   FdCallback socket_callback(const std::shared_ptr<Connection>& conn) {
-    return
-        [weak = weak_from_this(), weak_conn = std::weak_ptr<Connection>{conn}](std::uint32_t ev) {
-          auto self = weak.lock();
-          auto c = weak_conn.lock();
-          if (self && c) self->on_socket_event(c, ev);
-        };
+    return fd_callback<&Backend::on_socket_event>(conn);
   }
 
   void close_acceptor(Listener& listener) noexcept {
@@ -482,7 +436,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
     {
       const std::lock_guard lock{conn.mutex};
       conn.fd.close();
-      conn.state = State::CLOSED;
+      conn.phase = Phase::CLOSED;
       conn.ledger.cancel_all();
       conn.queue.clear();
     }
@@ -494,9 +448,9 @@ class Backend : public std::enable_shared_from_this<Backend> {
 
   void assert_loop_thread() const noexcept { assert(m_loop->in_loop_thread()); }
 
-  void on_acceptable(const std::shared_ptr<Listener>& listener) {
+  void on_acceptable(const std::shared_ptr<Listener>& listener, std::uint32_t /*events*/) {
     assert_loop_thread();
-    for (int i = 0; i < ACCEPTS_PER_EVENT && !m_shut_down; ++i) {
+    for (int i = 0; i < ACCEPTS_PER_EVENT && !shut_down(); ++i) {
       tcp::socket socket{*m_io};
       tcp::endpoint peer;
       boost::system::error_code ec;
@@ -556,25 +510,25 @@ class Backend : public std::enable_shared_from_this<Backend> {
       return;
     }
     EndPointAddress remote{peer.address().to_string(), peer.port()};
-    auto conn = std::make_shared<Connection>(m_io, m_chunks, remote, listener->params, listener->id,
-                                             State::GREETING, m_max_message);
+    auto conn = std::make_shared<Connection>(next_id(), m_io, m_chunks, remote, listener->params,
+                                             listener->id, Phase::HANDSHAKE, m_max_message);
     conn->socket = std::move(socket);
-    bool collision = false;
+    Admission admission{};
     {
       const auto held = m_registry.lock();
-      if (!m_registry.has_listener(held, listener->address)) return;  // closed meanwhile
-      collision = m_registry.find(held, remote) != nullptr;
-      if (!collision) {
+      admission = Engine::admission(held, *listener, remote);
+      if (admission == Admission::ACCEPT) {
         {
           const std::lock_guard conn_lock{conn->mutex};
           conn->fd = m_loop->add_fd(conn->socket.native_handle(), EPOLLIN, socket_callback(conn));
         }
         m_registry.add_connection(held, conn);
-        m_deadlines->track(conn);
+        track_setup(conn);
       }
     }
-    if (collision) {
-      refuse_address_in_use(*conn, listener->address);
+    if (admission == Admission::LISTENER_CLOSED) return;
+    if (admission == Admission::SOURCE_PORT_COLLISION) {
+      refuse_address_in_use(*conn);
       return;
     }
     NETIO3_DEBUG("asyncmsg: accepted connection from {} on {}", remote, listener->address);
@@ -583,26 +537,25 @@ class Backend : public std::enable_shared_from_this<Backend> {
 
   void on_socket_event(const std::shared_ptr<Connection>& conn, std::uint32_t events) {
     assert_loop_thread();
-    if (m_shut_down || conn->state == State::CLOSED) return;
+    if (shut_down() || conn->ending()) return;
     // A close was requested from another thread and is posted to this loop: nothing more is
     // read (a decoder stopped by the request dropped the rest of its input, so the stream
     // cannot be parsed any further) and nothing more is written.
     if (conn->close_requested.load(std::memory_order_relaxed)) return;
-    if (conn->state == State::CONNECTING) {
+    if (conn->phase == Phase::CONNECTING) {
       on_connect_done(conn);
       return;
     }
     if (conn->receive_paused && (events & (EPOLLERR | EPOLLHUP)) != 0) {
       NETIO3_WARN("asyncmsg: connection with {} failed while waiting for receive memory",
                   conn->remote);
-      close_connection(conn, "connection failed while waiting for receive memory",
-                       CloseKind::ERROR);
+      close(conn, "connection failed while waiting for receive memory", CloseCause::ERROR);
       return;
     }
     if (!conn->receive_paused && (events & (EPOLLIN | EPOLLERR | EPOLLHUP)) != 0) {
       on_readable(conn);
       // CONNECTING: refused, and connecting again on a new socket.
-      if (m_shut_down || conn->state == State::CLOSED || conn->state == State::CONNECTING) return;
+      if (shut_down() || conn->ending() || conn->phase == Phase::CONNECTING) return;
     }
     if ((events & EPOLLOUT) != 0) flush(conn);
   }
@@ -614,18 +567,17 @@ class Backend : public std::enable_shared_from_this<Backend> {
       err = errno;
     }
     if (err != 0) {
-      close_connection(conn, fmt::format("connect failed: {}", errno_text(err)), CloseKind::ERROR);
+      close(conn, fmt::format("connect failed: {}", errno_text(err)), CloseCause::ERROR);
       return;
     }
     if (detail::connected_to_itself(conn->socket.native_handle())) {
-      close_connection(conn,
-                       "connect failed: nothing listens there (the socket connected to itself)",
-                       CloseKind::ERROR);
+      close(conn, "connect failed: nothing listens there (the socket connected to itself)",
+            CloseCause::ERROR);
       return;
     }
     {
       const std::lock_guard lock{conn->mutex};
-      conn->state = State::GREETING;
+      conn->phase = Phase::HANDSHAKE;
       conn->fd.modify(EPOLLIN);
     }
     conn->epollout = false;
@@ -670,7 +622,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
       conn->fd.close();
       conn->queue.clear();
       conn->flush_pending = false;
-      conn->state = State::CONNECTING;
+      conn->phase = Phase::CONNECTING;
     }
     drain_and_close(conn->socket);
     conn->socket = std::move(fresh);
@@ -684,12 +636,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
 
   // Another connection has the peer's address and port (docs/semantics.md): this one is
   // refused with a refusal greeting, which tells a netio3 client to try another source port.
-  void refuse_address_in_use(Connection& conn, const EndPointAddress& listener) {
-    NETIO3_WARN(
-        "asyncmsg: refusing a connection on {} from {}: a connection from that address "
-        "and port exists (a source-port collision: the client should connect from "
-        "another port)",
-        listener, conn.remote);
+  void refuse_address_in_use(Connection& conn) {
     const auto refusal = detail::encode_refusal_greeting(detail::ASYNCMSG_PROTOCOL);
     if (detail::send_now(conn.socket.native_handle(), refusal)) {
       linger(conn);
@@ -710,37 +657,28 @@ class Backend : public std::enable_shared_from_this<Backend> {
   }
 
   bool on_greeting(const std::shared_ptr<Connection>& conn, const Greeting& greeting) {
-    // Closed by the application during set-up: the posted close reports it (closed, no
-    // keys) and the connection is never reported established.
+    // Closed by the application during set-up: its close reports it (closed, no keys) and
+    // the connection is never reported established.
     if (conn->close_requested.load(std::memory_order_relaxed)) return false;
     try {
       if (!conn->active()) attach_send_pool(*conn);
     } catch (const std::exception& e) {
-      close_connection(conn, fmt::format("cannot allocate send buffers: {}", e.what()),
-                       CloseKind::ERROR);
+      close(conn, fmt::format("cannot allocate send buffers: {}", e.what()), CloseCause::ERROR);
       return false;
     }
     {
       const std::lock_guard lock{conn->mutex};
       conn->max_send_message = std::min<std::size_t>(m_max_message, greeting.max_message_size);
-      conn->state = State::OPEN;
     }
     NETIO3_DEBUG("asyncmsg: {} speaks protocol {}.{}, accepts messages up to {} bytes",
                  conn->remote, greeting.major, greeting.minor, greeting.max_message_size);
-    m_notifier.established(conn->remote, capabilities(*conn));
-    return still_open(*conn);
+    return established(conn, capabilities(*conn));
   }
 
-  [[nodiscard]] bool still_open(const Connection& conn) const noexcept {
-    return !m_shut_down && conn.state == State::OPEN &&
-           !conn.close_requested.load(std::memory_order_relaxed);
-  }
-
-  bool deliver(const std::shared_ptr<Connection>& conn, std::span<const std::uint8_t> message) {
+  bool on_message(const std::shared_ptr<Connection>& conn, std::span<const std::uint8_t> message) {
     if (!still_open(*conn)) return false;
     conn->large_messages = message.size() >= FrameDecoder::DIRECT_MIN;
-    m_notifier.data(conn->remote, message);
-    return still_open(*conn);
+    return deliver(*conn, message);
   }
 
   void on_readable(const std::shared_ptr<Connection>& conn) {
@@ -748,7 +686,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
     const int fd = conn->socket.native_handle();
     const auto on_greeting_cb = [&](const Greeting& g) { return on_greeting(conn, g); };
     const auto on_message_cb = [&](std::span<const std::uint8_t> message) {
-      return deliver(conn, message);
+      return on_message(conn, message);
     };
     const auto admit_cb = [&](std::size_t length) { return admit(*conn, length); };
     for (int i = 0; i < READS_PER_EVENT; ++i) {
@@ -767,7 +705,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
         const auto status =
             direct ? conn->decoder.commit_direct(got, on_message_cb)
                    : conn->decoder.feed(target.first(got), on_greeting_cb, on_message_cb, admit_cb);
-        if (m_shut_down || conn->state == State::CLOSED) return;
+        if (shut_down() || conn->ending()) return;
         if (!after_decode(conn, status)) return;
         if (got < target.size()) return;  // drained for now
         continue;
@@ -777,10 +715,9 @@ class Backend : public std::enable_shared_from_this<Backend> {
           // Abnormal: the peer vanished in the middle of a message; the part is dropped.
           NETIO3_WARN("asyncmsg: connection with {} closed by the peer in the middle of a message",
                       conn->remote);
-          close_connection(conn, "peer closed the connection in the middle of a message",
-                           CloseKind::PEER);
+          close(conn, "peer closed the connection in the middle of a message", CloseCause::PEER);
         } else {
-          close_connection(conn, "peer closed the connection", CloseKind::PEER);
+          close(conn, "peer closed the connection", CloseCause::PEER);
         }
         return;
       }
@@ -789,7 +726,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
       if (err == EINTR) continue;
       NETIO3_WARN("asyncmsg: connection with {}: receive failed: {}", conn->remote,
                   errno_text(err));
-      close_connection(conn, fmt::format("receive failed: {}", errno_text(err)), CloseKind::ERROR);
+      close(conn, fmt::format("receive failed: {}", errno_text(err)), CloseCause::ERROR);
       return;
     }
   }
@@ -803,7 +740,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
       m_flush_work.swap(m_flush_list);
     }
     for (const auto& conn : m_flush_work) {
-      if (m_shut_down) break;
+      if (shut_down()) break;
       flush(conn);
     }
     m_flush_work.clear();
@@ -862,22 +799,22 @@ class Backend : public std::enable_shared_from_this<Backend> {
 
   void resume_waiting() {
     m_resume_posted = false;
-    while (!m_receive_waiting.empty() && !m_shut_down) {
+    while (!m_receive_waiting.empty() && !shut_down()) {
       const auto conn = m_receive_waiting.front().lock();
-      if (!conn || conn->state == State::CLOSED || !conn->receive_paused) {
+      if (!conn || conn->ending() || !conn->receive_paused) {
         m_receive_waiting.pop_front();
         continue;
       }
       const auto status = conn->decoder.resume(
           [&](const Greeting& g) { return on_greeting(conn, g); },
-          [&](std::span<const std::uint8_t> message) { return deliver(conn, message); },
+          [&](std::span<const std::uint8_t> message) { return on_message(conn, message); },
           [&](std::size_t length) { return admit(*conn, length); });
-      if (m_shut_down) return;
+      if (shut_down()) return;
       // Still first in line (perhaps with a later message of the kept bytes).
       if (status == FrameDecoder::Status::PAUSED) return;
       m_receive_waiting.pop_front();
       conn->receive_paused = false;
-      if (conn->state == State::CLOSED) continue;
+      if (conn->ending()) continue;
       if (after_decode(conn, status)) update_events(*conn);
     }
   }
@@ -889,13 +826,13 @@ class Backend : public std::enable_shared_from_this<Backend> {
       case FrameDecoder::Status::OK:
         return true;
       case FrameDecoder::Status::ERROR:
-        if (conn->decoder.refused_address_in_use() && conn->state == State::GREETING &&
+        if (conn->decoder.refused_address_in_use() && conn->phase == Phase::HANDSHAKE &&
             reconnect_from_new_source_port(conn)) {
           return false;
         }
         NETIO3_WARN("asyncmsg: closing connection with {}: {}", conn->remote,
                     conn->decoder.error());
-        close_connection(conn, conn->decoder.error(), CloseKind::ERROR);
+        close(conn, conn->decoder.error(), CloseCause::ERROR);
         return false;
       case FrameDecoder::Status::STOPPED:
         return false;
@@ -909,12 +846,12 @@ class Backend : public std::enable_shared_from_this<Backend> {
   void flush(const std::shared_ptr<Connection>& conn) {
     std::array<iovec, MAX_IOV> iov{};
     std::vector<detail::SendLedger::Ticket> finished;
-    std::vector<detail::PendingSend> completed;
+    std::vector<detail::PendingSend> finished_sends;
     for (int round = 0; round < WRITES_PER_FLUSH; ++round) {
       std::size_t count = 0;
       {
         const std::lock_guard lock{conn->mutex};
-        if (conn->state == State::CLOSED) return;
+        if (conn->ending()) return;
         // Once the application asked to close, nothing more is handed to the kernel: what
         // was queued at that moment is reported as cancelled, deterministically.
         if (!conn->close_requested.load(std::memory_order_relaxed)) {
@@ -938,61 +875,25 @@ class Backend : public std::enable_shared_from_this<Backend> {
           return;
         }
         NETIO3_WARN("asyncmsg: connection with {}: send failed: {}", conn->remote, errno_text(err));
-        close_connection(conn, fmt::format("send failed: {}", errno_text(err)), CloseKind::ERROR);
+        close(conn, fmt::format("send failed: {}", errno_text(err)), CloseCause::ERROR);
         return;
       }
       finished.clear();
-      completed.clear();
+      finished_sends.clear();
       {
         const std::lock_guard lock{conn->mutex};
         conn->queue.consume(static_cast<std::size_t>(n), finished);
         for (const auto ticket : finished) {
           detail::PendingSend done;
-          if (conn->ledger.complete(ticket, done)) completed.push_back(done);
+          if (conn->ledger.complete(ticket, done)) finished_sends.push_back(done);
         }
       }
-      for (const auto& done : completed) {
-        if (done.buffer != nullptr) conn->send_pool->release(done.buffer);
-        m_notifier.send_completed(conn->remote, done.key);
-        if (m_shut_down) return;
+      for (const auto& done : finished_sends) {
+        if (!completed(*conn, done)) return;
       }
     }
     // Still data after a full round: give other connections a turn, come back soon.
     request_flush(conn);
-  }
-
-  void close_connection(const std::shared_ptr<Connection>& conn, std::string_view reason,
-                        CloseKind kind) {
-    assert_loop_thread();
-    if (m_shut_down) {  // the backend is being destroyed: no more callbacks
-      abandon(*conn);
-      return;
-    }
-    State previous{};
-    std::vector<std::uint64_t> keys;
-    {
-      const std::lock_guard lock{conn->mutex};
-      previous = conn->state;
-      if (previous == State::CLOSED) return;
-      conn->state = State::CLOSED;
-      keys = detail::cancel_all_sends(conn->ledger, conn->send_pool);
-      conn->receive_paused = false;
-      conn->queue.clear();
-      conn->flush_pending = false;
-      conn->fd.close();
-    }
-    release_receive_memory(*conn);
-    {
-      const auto held = m_registry.lock();
-      m_registry.remove(held, conn);
-    }
-    if (kind == CloseKind::LOCAL && previous == State::OPEN) {
-      linger(*conn);
-    } else {
-      drain_and_close(conn->socket);
-    }
-    m_notifier.connection_ended(conn->remote, previous == State::OPEN, conn->active(),
-                                kind == CloseKind::LOCAL, keys, reason);
   }
 
   void linger(Connection& conn) {
@@ -1039,7 +940,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
   // Lingering sockets and paused listeners.
   void housekeeping() {
     assert_loop_thread();
-    if (m_shut_down) return;
+    if (shut_down()) return;
     const auto now = Clock::now();
     std::vector<std::shared_ptr<Listener>> resume;
     {
@@ -1071,21 +972,13 @@ class Backend : public std::enable_shared_from_this<Backend> {
     }
   }
 
-  const NetworkConfig m_config;
-  const std::shared_ptr<BaseEventLoop> m_loop;
-  const detail::Notifier m_notifier;
   const std::shared_ptr<asio::io_context> m_io;  // never run: socket services only
   const std::shared_ptr<ChunkCache> m_chunks;
   const std::size_t m_max_message;
   std::unique_ptr<detail::BufferPool> m_shared_send_pool;
-  std::atomic<bool> m_shut_down{false};
-
-  Registry m_registry{NAME};
-  std::optional<detail::SetupDeadlines<Connection>> m_deadlines;  // set in start()
-  std::mutex m_mutex;                                             // paused listeners, m_timer_armed
+  std::mutex m_mutex;  // paused listeners, m_timer_armed
 
   std::vector<std::shared_ptr<Listener>> m_paused;
-  std::uint64_t m_next_listener_id{1};
   bool m_timer_armed{false};
 
   std::mutex m_flush_mutex;

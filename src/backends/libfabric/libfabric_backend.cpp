@@ -37,6 +37,7 @@
 #include "common/buffer_pool.hpp"
 #include "common/closed_listeners.hpp"
 #include "common/connection.hpp"
+#include "common/connection_engine.hpp"
 #include "common/endpoint_registry.hpp"
 #include "common/endpoint_rules.hpp"
 #include "common/log.hpp"
@@ -66,8 +67,8 @@ constexpr std::uint64_t SPURIOUS_WAKEUPS_WARN = 1000;
 // What the trace log names as the source of a message from a shared receive context.
 const EndPointAddress SHARED_SOURCE{"shared-receive-context", 0};
 
-enum class State { CONNECTING, ACCEPTING, OPEN, CLOSED };
-enum class CloseKind { LOCAL, PEER, ERROR };
+using detail::CloseCause;
+using detail::Phase;
 
 struct Connection;
 struct RecvBuffers;
@@ -122,18 +123,14 @@ struct Listener {
 
 struct Connection : detail::ConnectionBase {
   Connection(std::uint64_t id_, EndPointAddress remote_, const ConnectionParameters& params_,
-             std::uint64_t listener_id_, Domain* domain_, bool thread_safe, State initial)
-      : ConnectionBase{std::move(remote_), params_, listener_id_, thread_safe},
-        id{id_},
-        domain{domain_},
-        state{initial} {}
+             std::uint64_t listener_id_, Domain* domain_, bool thread_safe, Phase initial)
+      : ConnectionBase{id_, std::move(remote_), params_, listener_id_, thread_safe, initial},
+        domain{domain_} {}
 
-  const std::uint64_t id;
   Domain* const domain;
   std::shared_ptr<RecvBuffers> recv;  // null: this endpoint cannot receive
 
-  // Under `mutex`; `state` is written on the loop thread only.
-  State state;
+  // Under `mutex`.
   std::size_t peer_recv_size{0};
   std::uint64_t unsent_bytes{0};
   void* send_desc{nullptr};
@@ -150,18 +147,16 @@ struct Connection : detail::ConnectionBase {
   Fid<fid_ep> ep;  // last: closed first
 };
 
-class Backend : public std::enable_shared_from_this<Backend> {
+class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
+                public std::enable_shared_from_this<Backend> {
  public:
   static constexpr BackendType TYPE = BackendType::LIBFABRIC;
-  using Registry = detail::EndpointRegistry<Connection, Listener>;
+  using Engine = detail::ConnectionEngine<Backend, Connection, Listener>;
+  friend Engine;
 
   Backend(NetworkConfig config, std::shared_ptr<BaseEventLoop> loop)
-      : m_config{std::move(config)},
-        m_loop{std::move(loop)},
-        m_notifier{NAME, m_config},
-        m_thread{m_config.thread_safety, *m_loop},
-        m_provider{choose_provider(m_config.mode)},
-        m_ids_mutex{m_thread.safe()} {
+      : Engine{NAME, config, std::move(loop), config.thread_safety},
+        m_provider{choose_provider(m_config.mode)} {
     const auto& shared_tx = m_config.shared_send_buffers;
     if (shared_tx.use_shared_send_buffers) {
       m_shared_send_pool =
@@ -178,6 +173,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
   ~Backend() = default;
 
   void start() {
+    start_engine();
     std::weak_ptr<Backend> weak = weak_from_this();
     m_prepare = m_loop->add_polling_hook([weak] {
       auto self = weak.lock();
@@ -190,28 +186,13 @@ class Backend : public std::enable_shared_from_this<Backend> {
                                [weak](Listener& listener) {
                                  if (auto self = weak.lock()) self->release_listener(listener);
                                });
-    m_deadlines.emplace(
-        *m_loop, NAME, m_config.limits.connect_timeout,
-        [](const Connection& conn) {
-          return conn.state == State::CONNECTING || conn.state == State::ACCEPTING;
-        },
-        [weak](const std::shared_ptr<Connection>& conn, const std::string& reason) {
-          if (auto self = weak.lock()) self->close_connection(conn, reason, CloseKind::ERROR);
-        });
   }
 
-  [[nodiscard]] const detail::Notifier& notifier() const noexcept { return m_notifier; }
-
   void shutdown() noexcept {
-    if (m_shut_down.exchange(true)) return;
-    Registry::Contents all;
-    {
-      const auto held = m_registry.lock();
-      all = m_registry.take_all(held);
-    }
+    if (!begin_shutdown()) return;
+    auto all = take_everything();
     m_prepare.close();
     m_kick.close();
-    m_deadlines->close();
     for (auto& handles : m_domain_fds) {
       handles.eq.close();
       handles.cq.close();
@@ -227,6 +208,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
     all.connections.clear();
     m_retired.clear();
     all.listeners.clear();
+    m_registry.clear_index();
     m_global_recv.clear();
     m_domain_fds.clear();
     m_domains.clear();
@@ -237,9 +219,8 @@ class Backend : public std::enable_shared_from_this<Backend> {
 
   EndPointAddress open_listen_endpoint(const EndPointAddress& address,
                                        const ConnectionParameters& params) {
-    m_thread.check_caller("open_listen_endpoint");
-    detail::check_address(address, "open_listen_endpoint");
-    check_parameters(params, true);
+    const ApiCall call = open_call(address, params, true);
+    check_parameters(params);
     const auto fail = [&](const std::string& why) {
       return FailedOpenListenEndpoint(
           fmt::format("libfabric: cannot listen on {}: {}", address, why));
@@ -273,16 +254,15 @@ class Backend : public std::enable_shared_from_this<Backend> {
     }
     const EndPointAddress actual = listener->address;
     m_registry.check_listen_free(held, actual);
-    remember(listener);
+    m_registry.index(held, listener);
     m_registry.add_listener(held, actual, std::move(listener));
     NETIO3_DEBUG("libfabric: listening on {} (provider {})", actual, domain.provider());
     return actual;
   }
 
   void open_active_endpoint(const EndPointAddress& address, const ConnectionParameters& params) {
-    m_thread.check_caller("open_active_endpoint");
-    detail::check_address(address, "open_active_endpoint");
-    check_parameters(params, false);
+    const ApiCall call = open_call(address, params, false);
+    check_parameters(params);
     const auto fail = [&](const std::string& why) {
       return FailedOpenActiveEndpoint(
           fmt::format("libfabric: cannot connect to {}: {}", address, why));
@@ -293,7 +273,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
     m_registry.check_connection_free(held, address);
     std::shared_ptr<Connection> conn;
     try {
-      conn = make_connection(address, params, 0, domain, State::CONNECTING, global_recv(domain));
+      conn = make_connection(address, params, 0, domain, Phase::CONNECTING, global_recv(domain));
       // Held until the endpoint has bound to the port (fabric.hpp).
       const detail::Socket reservation = reserve_source_port(info.get());
       open_endpoint(*conn, info.get());
@@ -303,97 +283,42 @@ class Backend : public std::enable_shared_from_this<Backend> {
       throw FailedOpenActiveEndpoint(
           fmt::format("libfabric: cannot connect to {}: {}", address, e.what()));
     }
-    remember(conn);
+    m_registry.index(held, conn);
     m_registry.add_connection(held, conn);
-    m_deadlines->track(conn);
+    track_setup(conn);
     const auto data = encode_cm_data(CmData{receive_size(*conn)});
     const int rc = fi_connect(conn->ep.get(), info->dest_addr, data.data(), data.size());
     if (rc != 0) {
       // Reported like a refusal, from the loop (never from inside this call).
-      post_close(conn, fmt::format("fi_connect failed: {}", fi_error(rc)), CloseKind::ERROR);
+      close_later(conn, fmt::format("fi_connect failed: {}", fi_error(rc)), CloseCause::ERROR);
       return;
     }
     NETIO3_DEBUG("libfabric: connecting to {} (provider {})", address, domain.provider());
   }
 
-  void close_listen_endpoint(const EndPointAddress& address) {
-    m_thread.check_caller("close_listen_endpoint");
-    std::shared_ptr<Listener> listener;
-    std::vector<std::shared_ptr<Connection>> children;
-    {
-      const auto held = m_registry.lock();
-      std::tie(listener, children) = m_registry.take_listener(held, address);
-    }
-    listener->closed.store(true);
-    m_closed_listeners->retire(listener);
-    NETIO3_DEBUG("libfabric: stopped listening on {} ({} connection(s) to close)", address,
-                 children.size());
-    for (const auto& child : children) close_requested(child, "listen endpoint closed");
-  }
-
-  void close_active_endpoint(const EndPointAddress& address) {
-    m_thread.check_caller("close_active_endpoint");
-    std::shared_ptr<Connection> conn;
-    {
-      const auto held = m_registry.lock();
-      conn = m_registry.take_for_close(held, address);
-    }
-    close_requested(conn, "closed locally");
-  }
-
-  NetworkBuffer* get_buffer(const EndPointAddress& address) {
-    m_thread.check_caller("get_buffer");
-    return detail::acquire_send_buffer(*m_registry.get(address, "get_buffer"), NAME);
-  }
-
-  NetioStatus send_buffer(const EndPointAddress& address, NetworkBuffer* buffer) {
-    m_thread.check_caller("send_buffer");
-    const auto conn = m_registry.get(address, "send_buffer");
-    detail::BufferPool* pool = detail::claim_send_buffer(*conn, buffer, NAME);
-    if (pool == nullptr) return NetioStatus::FAILED;
+  NetioStatus post_buffer(const std::shared_ptr<Connection>& conn, NetworkBuffer* buffer) {
     const iovec iov{buffer->data(), buffer->size()};
     std::array<void*, 1> desc{};
     {
       const std::lock_guard lock{conn->mutex};
       desc[0] = conn->send_desc;
     }
-    const auto status = post_send(*conn, {}, std::span{&iov, 1}, desc,
-                                  detail::PendingSend{buffer->id(), buffer}, buffer->size());
-    if (status != NetioStatus::OK) pool->abort_send(buffer);
-    return status;
+    return post_send(*conn, {}, std::span{&iov, 1}, desc, detail::PendingSend{buffer->id(), buffer},
+                     buffer->size());
   }
 
   NetioStatus send_data(const EndPointAddress& address, std::span<const iovec> iov,
                         std::span<const std::uint8_t> header, std::uint64_t key) {
-    m_thread.check_caller("send_data");
-    const auto conn = m_registry.get(address, "send_data");
-    if (!detail::header_ok(address, header, NAME)) return NetioStatus::FAILED;
-    std::span<std::uint8_t> region;
+    const ApiCall call{*this, "send_data"};
+    const auto conn = zero_copy_target(address, iov, header);
+    if (!conn) return NetioStatus::FAILED;
     void* region_desc = nullptr;
     {
       const std::lock_guard lock{conn->mutex};
-      region = conn->region;
       region_desc = conn->region_desc;
     }
-    if (region.empty()) {
-      throw NotSupported(fmt::format(
-          "libfabric: send_data to {}: the endpoint was opened without a zero-copy region "
-          "(send_zero_copy_params.mr_start)",
-          address));
-    }
     std::size_t size = header.size();
-    for (const auto& v : iov) {
-      const auto* p = static_cast<const std::uint8_t*>(v.iov_base);
-      if (v.iov_len > 0 && (p < region.data() || p + v.iov_len > region.data() + region.size())) {
-        NETIO3_WARN(
-            "libfabric: send_data to {}: {} bytes at {} lie outside the registered region "
-            "[{}, +{})",
-            address, v.iov_len, static_cast<const void*>(p),
-            static_cast<const void*>(region.data()), region.size());
-        return NetioStatus::FAILED;
-      }
-      size += v.iov_len;
-    }
+    for (const auto& v : iov) size += v.iov_len;
     std::array<void*, MAX_IOV> desc{};
     std::fill(desc.begin(), desc.end(), region_desc);
     return post_send(*conn, header, iov, std::span{desc}.first(std::min(iov.size(), MAX_IOV)),
@@ -402,8 +327,8 @@ class Backend : public std::enable_shared_from_this<Backend> {
 
   NetioStatus send_data_copy(const EndPointAddress& address, std::span<const iovec> /*iov*/,
                              std::span<const std::uint8_t> /*header*/, std::uint64_t /*key*/) {
-    m_thread.check_caller("send_data_copy");
-    (void)m_registry.get(address, "send_data_copy");
+    const ApiCall call{*this, "send_data_copy"};
+    (void)connection_for(address, "send_data_copy");
     throw NotSupported(
         "libfabric: send_data_copy is not supported (RDMA sends from registered memory); use "
         "buffered or zero-copy sending");
@@ -416,8 +341,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
     if (rc < 0) throw std::runtime_error(fmt::format("{} failed: {}", what, fi_error(rc)));
   }
 
-  void check_parameters(const ConnectionParameters& params, bool listen) const {
-    detail::check_connection_parameters(params, m_config, listen);
+  static void check_parameters(const ConnectionParameters& params) {
     if (params.send_zero_copy_params.mr_start != nullptr &&
         params.send_buffered_params.num_buf > 0) {
       throw InvalidConnectionParameters(
@@ -444,8 +368,6 @@ class Backend : public std::enable_shared_from_this<Backend> {
     }
   }
 
-  std::uint64_t next_id() { return m_next_id.fetch_add(1); }
-
   // ---- domains ---------------------------------------------------------------------
 
   struct DomainFds {
@@ -463,18 +385,18 @@ class Backend : public std::enable_shared_from_this<Backend> {
     std::weak_ptr<Backend> weak = weak_from_this();
     DomainFds fds;
     // A callback inside a drain may destroy the backend and with it the domain: look at
-    // m_shut_down before touching the domain again.
+    // shut_down() before touching the domain again.
     fds.eq = m_loop->add_fd(d->eq_fd(), EPOLLIN, [weak, d](std::uint32_t) {
       auto self = weak.lock();
       if (!self) return;
       const std::size_t handled = self->drain_eq(*d);
-      if (!self->m_shut_down) self->on_wait_fd(*d, handled);
+      if (!self->shut_down()) self->on_wait_fd(*d, handled);
     });
     fds.cq = m_loop->add_fd(d->cq_fd(), EPOLLIN, [weak, d](std::uint32_t) {
       auto self = weak.lock();
       if (!self) return;
       const std::size_t handled = self->drain_cq(*d);
-      if (!self->m_shut_down) self->on_wait_fd(*d, handled);
+      if (!self->shut_down()) self->on_wait_fd(*d, handled);
     });
     m_domain_fds.push_back(std::move(fds));
     m_domains.push_back(std::move(domain));
@@ -559,7 +481,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
   std::shared_ptr<Connection> make_connection(const EndPointAddress& remote,
                                               const ConnectionParameters& params,
                                               std::uint64_t listener_id, Domain& domain,
-                                              State initial, std::shared_ptr<RecvBuffers> shared) {
+                                              Phase initial, std::shared_ptr<RecvBuffers> shared) {
     auto conn = std::make_shared<Connection>(next_id(), remote, params, listener_id, &domain,
                                              safe(), initial);
     // Receive buffers: the shared ones if there are any; else the endpoint's own, as asked
@@ -639,30 +561,6 @@ class Backend : public std::enable_shared_from_this<Backend> {
                                 .receive = conn.recv != nullptr};
   }
 
-  void remember(const std::shared_ptr<Connection>& conn) {
-    const std::lock_guard lock{m_ids_mutex};
-    m_conn_ids.emplace(conn->id, conn);
-  }
-  void remember(const std::shared_ptr<Listener>& listener) {
-    const std::lock_guard lock{m_ids_mutex};
-    m_listener_ids.emplace(listener->id, listener);
-  }
-  void forget(std::uint64_t id) {
-    const std::lock_guard lock{m_ids_mutex};
-    m_conn_ids.erase(id);
-    m_listener_ids.erase(id);
-  }
-  std::shared_ptr<Connection> connection_by_id(std::uint64_t id) {
-    const std::lock_guard lock{m_ids_mutex};
-    const auto it = m_conn_ids.find(id);
-    return it == m_conn_ids.end() ? nullptr : it->second.lock();
-  }
-  std::shared_ptr<Listener> listener_by_id(std::uint64_t id) {
-    const std::lock_guard lock{m_ids_mutex};
-    const auto it = m_listener_ids.find(id);
-    return it == m_listener_ids.end() ? nullptr : it->second.lock();
-  }
-
   // ---- sending ---------------------------------------------------------------------
 
   // Posts one message: `header` (copied into a registered slot) followed by `payload`.
@@ -671,10 +569,10 @@ class Backend : public std::enable_shared_from_this<Backend> {
                         detail::PendingSend pending, std::size_t size) {
     {
       const std::lock_guard lock{conn.mutex};
-      if (conn.close_requested.load(std::memory_order_relaxed) || conn.state == State::CLOSED) {
+      if (conn.close_requested.load(std::memory_order_relaxed) || conn.ending()) {
         return NetioStatus::FAILED;
       }
-      if (conn.state != State::OPEN) return NetioStatus::NO_RESOURCES;  // still connecting
+      if (conn.phase != Phase::OPEN) return NetioStatus::NO_RESOURCES;  // still connecting
       if (size > conn.peer_recv_size) {
         NETIO3_WARN(
             "libfabric: send to {}: a message of {} bytes exceeds the peer's receive "
@@ -732,13 +630,6 @@ class Backend : public std::enable_shared_from_this<Backend> {
 
   void assert_loop_thread() const noexcept { assert(m_loop->in_loop_thread()); }
 
-  void post_close(const std::shared_ptr<Connection>& conn, std::string reason, CloseKind kind) {
-    std::weak_ptr<Backend> weak = weak_from_this();
-    m_loop->post([weak, conn, reason = std::move(reason), kind] {
-      if (auto self = weak.lock()) self->close_connection(conn, reason, kind);
-    });
-  }
-
   void on_kick() {
     m_kick_pending.store(false);
     drain_all();
@@ -761,9 +652,9 @@ class Backend : public std::enable_shared_from_this<Backend> {
     const auto& domains = loop_domains();
     for (std::size_t i = 0; i < domains.size(); ++i) {
       Domain* d = domains[i];
-      if (m_shut_down) return;
+      if (shut_down()) return;
       drain_eq(*d);
-      if (m_shut_down) return;
+      if (shut_down()) return;
       drain_cq(*d);
     }
   }
@@ -772,7 +663,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
   // may sleep on the wait fds; otherwise the queues are drained and the loop polls again.
   bool may_sleep() {
     assert_loop_thread();
-    if (m_shut_down) return true;
+    if (shut_down()) return true;
     const auto& domains = loop_domains();
     bool sleep = true;
     if (m_loop->polling()) {
@@ -781,9 +672,9 @@ class Backend : public std::enable_shared_from_this<Backend> {
       for (std::size_t i = 0; i < domains.size(); ++i) {
         Domain* d = domains[i];
         if (drain_eq(*d) > 0) sleep = false;
-        if (m_shut_down) return true;
+        if (shut_down()) return true;
         if (drain_cq(*d) > 0) sleep = false;
-        if (m_shut_down) return true;
+        if (shut_down()) return true;
       }
       return sleep;
     }
@@ -793,9 +684,9 @@ class Backend : public std::enable_shared_from_this<Backend> {
       if (fi_trywait(d->fabric(), fids.data(), static_cast<int>(fids.size())) != FI_SUCCESS) {
         sleep = false;
         drain_eq(*d);
-        if (m_shut_down) return true;
+        if (shut_down()) return true;
         drain_cq(*d);
-        if (m_shut_down) return true;
+        if (shut_down()) return true;
       }
     }
     return sleep;
@@ -835,7 +726,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
       if (event != FI_CONNREQ) continue;
       const auto* entry = reinterpret_cast<const fi_eq_cm_entry*>(buffer.data());  // NOLINT
       const Info info{entry->info};
-      refuse_request(listener_by_id(id_of(entry->fid)).get(), info->handle);
+      refuse_request(m_registry.listener_by_id(id_of(entry->fid)).get(), info->handle);
     }
   }
 
@@ -855,7 +746,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
     assert_loop_thread();
     std::size_t handled = 0;
     alignas(fi_eq_cm_entry) std::array<std::uint8_t, EQ_ENTRY_SIZE> buffer{};
-    for (int i = 0; i < DRAIN_ROUNDS * 4 && !m_shut_down; ++i) {
+    for (int i = 0; i < DRAIN_ROUNDS * 4 && !shut_down(); ++i) {
       std::uint32_t event = 0;
       const ssize_t rc = fi_eq_read(domain.eq(), &event, buffer.data(), buffer.size(), 0);
       if (rc == -FI_EAGAIN) return handled;
@@ -884,7 +775,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
     std::array<fi_cq_data_entry, CQ_BATCH> entries{};
     std::size_t handled = 0;
     for (int round = 0; round < DRAIN_ROUNDS; ++round) {
-      if (m_shut_down) return handled;
+      if (shut_down()) return handled;
       const ssize_t n = fi_cq_read(domain.cq(), entries.data(), entries.size());
       if (n == -FI_EAGAIN) {
         ++domain.drains;
@@ -905,7 +796,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
       handled += static_cast<std::size_t>(n);
       for (ssize_t i = 0; i < n; ++i) {
         on_completion(entries.at(static_cast<std::size_t>(i)));
-        if (m_shut_down) return handled;
+        if (shut_down()) return handled;
       }
     }
     return handled;
@@ -944,34 +835,30 @@ class Backend : public std::enable_shared_from_this<Backend> {
       repost_shared(*op);
       return;
     }
-    if (auto shared = connection_by_id(conn->id)) {
+    if (auto shared = m_registry.by_id(conn->id)) {
       const auto reason =
           fmt::format("receive failed: {}{}", why,
                       err.err == FI_ETRUNC ? " (message larger than the receive buffers)" : "");
       NETIO3_WARN("libfabric: connection with {}: {}", conn->remote, reason);
-      close_connection(shared, reason, CloseKind::ERROR);
+      close(shared, reason, CloseCause::ERROR);
     }
   }
 
   void on_received(Op& op, std::size_t len) {
     Connection* conn = op.conn;
-    if (conn != nullptr &&
-        (conn->state != State::OPEN || conn->close_requested.load(std::memory_order_relaxed))) {
-      return;  // closing: the buffer is not posted again
-    }
-    m_notifier.data(conn != nullptr ? conn->remote : SHARED_SOURCE,
-                    {op.buffer->data(), std::min(len, op.buffer->capacity())});
-    if (m_shut_down) return;
+    const std::span<const std::uint8_t> bytes{op.buffer->data(),
+                                              std::min(len, op.buffer->capacity())};
     if (conn == nullptr) {
-      repost_shared(op);
+      m_notifier.data(SHARED_SOURCE, bytes);
+      if (!shut_down()) repost_shared(op);
       return;
     }
-    if (conn->state != State::OPEN || conn->close_requested.load(std::memory_order_relaxed)) return;
+    // Closing: the buffer is not posted again.
+    if (!still_open(*conn) || !deliver(*conn, bytes)) return;
     try {
       post_receive(op, conn->ep.get());
     } catch (const std::runtime_error& e) {
-      if (auto shared = connection_by_id(conn->id))
-        close_connection(shared, e.what(), CloseKind::ERROR);
+      if (auto shared = m_registry.by_id(conn->id)) close(shared, e.what(), CloseCause::ERROR);
     }
   }
 
@@ -986,28 +873,24 @@ class Backend : public std::enable_shared_from_this<Backend> {
   void on_send_done(Op& op, bool ok, const std::string& why) {
     Connection& conn = *op.conn;
     detail::PendingSend done;
-    bool completed = false;
-    State state{};
+    bool done_now = false;
     {
       const std::lock_guard lock{conn.mutex};
       conn.unsent_bytes -= std::min<std::uint64_t>(conn.unsent_bytes, op.bytes);
       conn.free_send_ops.push_back(op.slot);
-      state = conn.state;
-      if (ok) completed = conn.ledger.complete(op.ticket, done);
+      if (ok) done_now = conn.ledger.complete(op.ticket, done);
     }
     if (!ok) {
       // The key is reported with the connection's cancelled keys; the connection is broken.
-      if (state != State::CLOSED) {
-        if (auto shared = connection_by_id(conn.id)) {
+      if (!conn.ending()) {
+        if (auto shared = m_registry.by_id(conn.id)) {
           NETIO3_WARN("libfabric: connection with {}: send failed: {}", conn.remote, why);
-          close_connection(shared, fmt::format("send failed: {}", why), CloseKind::ERROR);
+          close(shared, fmt::format("send failed: {}", why), CloseCause::ERROR);
         }
       }
       return;
     }
-    if (!completed) return;  // cancelled by a close in the meantime
-    if (done.buffer != nullptr) conn.send_pool->release(done.buffer);
-    m_notifier.send_completed(conn.remote, done.key);
+    if (done_now) (void)completed(conn, done);  // else cancelled by a close meanwhile
   }
 
   void on_cm_event(Domain& domain, std::uint32_t event, const fi_eq_cm_entry& entry,
@@ -1017,11 +900,11 @@ class Backend : public std::enable_shared_from_this<Backend> {
         on_connection_request(domain, entry, data);
         break;
       case FI_CONNECTED:
-        if (auto conn = connection_by_id(id_of(entry.fid))) on_connected(conn, data);
+        if (auto conn = m_registry.by_id(id_of(entry.fid))) on_connected(conn, data);
         break;
       case FI_SHUTDOWN:
-        if (auto conn = connection_by_id(id_of(entry.fid))) {
-          close_connection(conn, "peer closed the connection", CloseKind::PEER);
+        if (auto conn = m_registry.by_id(id_of(entry.fid))) {
+          close(conn, "peer closed the connection", CloseCause::PEER);
         }
         break;
       default:
@@ -1037,12 +920,12 @@ class Backend : public std::enable_shared_from_this<Backend> {
     const std::string why =
         fmt::format("{}{}{}", fi_strerror(err.err), detail != nullptr ? ": " : "",
                     detail != nullptr ? detail : "");
-    if (auto conn = connection_by_id(id_of(err.fid))) {
+    if (auto conn = m_registry.by_id(id_of(err.fid))) {
       if (err.err == FI_ECONNREFUSED && refused_address_in_use(err) &&
-          conn->state == State::CONNECTING && reconnect_from_new_source_port(conn)) {
+          conn->phase == Phase::CONNECTING && reconnect_from_new_source_port(conn)) {
         return;
       }
-      close_connection(conn, why, CloseKind::ERROR);
+      close(conn, why, CloseCause::ERROR);
       return;
     }
     NETIO3_DEBUG("libfabric: event queue error for no known endpoint: {}", why);
@@ -1069,7 +952,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
     try {
       info = fabric_info(old->remote, false, fail);
       Domain& domain = open_domain(*info, fail);
-      conn = make_connection(old->remote, old->params, 0, domain, State::CONNECTING,
+      conn = make_connection(old->remote, old->params, 0, domain, Phase::CONNECTING,
                              global_recv(domain));
       const detail::Socket reservation = reserve_source_port(info.get());
       open_endpoint(*conn, info.get());
@@ -1090,24 +973,24 @@ class Backend : public std::enable_shared_from_this<Backend> {
       if (conn->own_send_pool) conn->send_pool = conn->own_send_pool.get();
       if (old->own_send_pool) old->send_pool = old->own_send_pool.get();
     }
-    remember(conn);
+    m_registry.index(conn);
     bool replaced = false;
     {
       const auto held = m_registry.lock();
       replaced = m_registry.replace_connection(held, old, conn);
     }
     if (!replaced) {  // closed by the application meanwhile: that close reports it
-      forget(conn->id);
+      m_registry.forget(conn->id);
       retire_unregistered(conn);
       return false;
     }
-    m_deadlines->track(conn);
-    close_connection(old, "superseded", CloseKind::ERROR, Report::NEVER);
+    track_setup(conn);
+    close(old, "superseded", CloseCause::ERROR, false);
     const auto data = encode_cm_data(CmData{receive_size(*conn)});
     const int rc = fi_connect(conn->ep.get(), info->dest_addr, data.data(), data.size());
     if (rc != 0) {
-      close_connection(conn, fmt::format("fi_connect failed: {}", fi_error(rc)), CloseKind::ERROR,
-                       Report::LATER);
+      // Reported from the loop, after the event being handled.
+      close_later(conn, fmt::format("fi_connect failed: {}", fi_error(rc)), CloseCause::ERROR);
     }
     return true;
   }
@@ -1123,7 +1006,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
   void retire_unregistered(const std::shared_ptr<Connection>& conn) {
     {
       const std::lock_guard lock{conn->mutex};
-      conn->state = State::CLOSED;
+      conn->phase = Phase::CLOSED;
     }
     retire(conn);
   }
@@ -1131,7 +1014,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
   void on_connection_request(Domain& domain, const fi_eq_cm_entry& entry,
                              std::span<const std::uint8_t> data) {
     Info info{entry.info};  // ours to free
-    const auto listener = listener_by_id(id_of(entry.fid));
+    const auto listener = m_registry.listener_by_id(id_of(entry.fid));
     // A request for a closed listener is refused at once (the peer does not wait for its
     // set-up to time out, and the provider frees the request's socket).
     const auto refuse_closed = [&] {
@@ -1175,7 +1058,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
         return;
       }
       try {
-        conn = make_connection(*remote, listener->params, listener->id, domain, State::ACCEPTING,
+        conn = make_connection(*remote, listener->params, listener->id, domain, Phase::HANDSHAKE,
                                listener->shared_recv ? listener->shared_recv : global_recv(domain));
         conn->peer_recv_size = peer->recv_buf_size;
         open_endpoint(*conn, info.get());
@@ -1183,104 +1066,61 @@ class Backend : public std::enable_shared_from_this<Backend> {
         reject(e.what());
         return;
       }
-      remember(conn);
+      m_registry.index(held, conn);
       m_registry.add_connection(held, conn);
     }
-    m_deadlines->track(conn);
+    track_setup(conn);
     const auto reply = encode_cm_data(CmData{receive_size(*conn)});
     const int rc = fi_accept(conn->ep.get(), reply.data(), reply.size());
     if (rc != 0) {
-      close_connection(conn, fmt::format("fi_accept failed: {}", fi_error(rc)), CloseKind::ERROR);
+      close(conn, fmt::format("fi_accept failed: {}", fi_error(rc)), CloseCause::ERROR);
       return;
     }
     NETIO3_DEBUG("libfabric: accepting connection from {} on {}", *remote, listener->address);
   }
 
   void on_connected(const std::shared_ptr<Connection>& conn, std::span<const std::uint8_t> data) {
-    if (conn->state == State::CONNECTING) {
+    if (conn->phase == Phase::CONNECTING) {
       std::string error;
       const auto peer = decode_cm_data(data, error);
       if (!peer) {
         NETIO3_WARN("libfabric: connection with {}: {}", conn->remote, error);
-        close_connection(conn, error, CloseKind::ERROR);
+        close(conn, error, CloseCause::ERROR);
         return;
       }
       const std::lock_guard lock{conn->mutex};
       conn->peer_recv_size = peer->recv_buf_size;
     }
-    if (conn->state != State::CONNECTING && conn->state != State::ACCEPTING) return;
-    // Closed by the application during set-up: the posted close reports it.
-    if (conn->close_requested.load()) return;
-    {
-      const std::lock_guard lock{conn->mutex};
-      conn->state = State::OPEN;
-    }
-    m_notifier.established(conn->remote, capabilities(*conn));
+    if (conn->setting_up()) (void)established(conn, capabilities(*conn));
   }
 
-  // The application closed `conn`. On the loop thread the close takes effect at once (what
-  // has not completed by now is cancelled) and only the callback is posted; from another
-  // thread the whole close is posted to the loop.
-  void close_requested(const std::shared_ptr<Connection>& conn, std::string_view reason) {
-    if (m_loop->in_loop_thread()) {
-      close_connection(conn, reason, CloseKind::LOCAL, Report::LATER);
-    } else {
-      post_close(conn, std::string{reason}, CloseKind::LOCAL);
-    }
-  }
+  // ---- the transport (detail::TransportOf) -----------------------------------------------
 
-  // NOW: report with the callback at once (the loop noticed the end itself). LATER: from a
-  // posted task, because the application's own call caused it.
-  // NEVER: a connection replaced by another under its address (a retry from a new source
-  // port), of which the application never hears.
-  enum class Report { NOW, LATER, NEVER };
-
-  void close_connection(const std::shared_ptr<Connection>& conn, std::string_view reason,
-                        CloseKind kind, Report report = Report::NOW) {
-    assert_loop_thread();
-    if (m_shut_down) {
-      abandon(*conn);
-      return;
-    }
-    State previous{};
-    std::vector<std::uint64_t> keys;
-    {
-      const std::lock_guard lock{conn->mutex};
-      previous = conn->state;
-      if (previous == State::CLOSED) return;
-      conn->state = State::CLOSED;
-      keys = detail::cancel_all_sends(conn->ledger, conn->send_pool);
-    }
-    {
-      const auto held = m_registry.lock();
-      m_registry.remove(held, conn);
-    }
-    forget(conn->id);
-    if (conn->ep && previous == State::OPEN && kind != CloseKind::PEER) {
+  // Closing: the endpoint goes (after a shutdown message to the peer of an open connection
+  // that we close); the connection is kept until the provider is done with it (retire).
+  void close_transport(const std::shared_ptr<Connection>& conn) {
+    m_registry.forget(conn->id);
+    const auto& ending = conn->ending_info;
+    if (conn->ep && ending.was_open && ending.cause != CloseCause::PEER) {
       fi_shutdown(conn->ep.get(), 0);
     }
     retire(conn);
-    if (report == Report::NEVER) return;
-    if (report == Report::LATER) {
-      std::weak_ptr<Backend> weak = weak_from_this();
-      m_loop->post([weak, conn, was_open = previous == State::OPEN, keys = std::move(keys),
-                    reason = std::string{reason}, local = kind == CloseKind::LOCAL] {
-        auto self = weak.lock();
-        if (!self || self->m_shut_down) return;
-        self->m_notifier.connection_ended(conn->remote, was_open, conn->active(), local, keys,
-                                          reason);
-      });
-      return;
-    }
-    m_notifier.connection_ended(conn->remote, previous == State::OPEN, conn->active(),
-                                kind == CloseKind::LOCAL, keys, reason);
+  }
+
+  // What the provider still holds (cancellations of posted operations) does not delay the
+  // report: the ledger reports those sends as cancelled and ignores their completions.
+  [[nodiscard]] static bool quiescent(const Connection& /*conn*/) { return true; }
+
+  void close_listener(const std::shared_ptr<Listener>& listener) {
+    listener->closed.store(true);
+    m_closed_listeners->retire(listener);
   }
 
   // Without callbacks (backend shutdown).
   static void abandon(Connection& conn) noexcept {
     {
       const std::lock_guard lock{conn.mutex};
-      conn.state = State::CLOSED;
+      conn.phase = Phase::CLOSED;
       conn.ledger.cancel_all();
     }
     conn.ep.reset();
@@ -1291,7 +1131,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
       const std::lock_guard lock{m_pep_mutex};
       listener.pep.reset();
     }
-    forget(listener.id);
+    m_registry.forget_listener(listener.id);
   }
 
   void release_retired(const Domain& domain) {
@@ -1306,27 +1146,14 @@ class Backend : public std::enable_shared_from_this<Backend> {
     std::shared_ptr<Connection> conn;
   };
 
-  const NetworkConfig m_config;
-  const std::shared_ptr<BaseEventLoop> m_loop;
-  const detail::Notifier m_notifier;
-  const detail::ThreadModel m_thread;
   const ProviderChoice m_provider;
   std::unique_ptr<detail::BufferPool> m_shared_send_pool;
-  std::atomic<bool> m_shut_down{false};
-  std::atomic<std::uint64_t> m_next_id{1};
-
-  Registry m_registry{NAME};
-  std::optional<detail::SetupDeadlines<Connection>> m_deadlines;
 
   std::mutex m_domains_mutex;  // m_domains, m_domain_fds, m_global_recv
   std::vector<std::unique_ptr<Domain>> m_domains;
   std::vector<DomainFds> m_domain_fds;
   std::vector<Domain*> m_loop_domains;  // loop thread (and m_domains_mutex): loop_domains()
   std::unordered_map<const Domain*, std::shared_ptr<RecvBuffers>> m_global_recv;
-
-  detail::OptionalMutex m_ids_mutex;
-  std::unordered_map<std::uint64_t, std::weak_ptr<Connection>> m_conn_ids;
-  std::unordered_map<std::uint64_t, std::weak_ptr<Listener>> m_listener_ids;
 
   // Loop thread only.
   std::vector<Retired> m_retired;

@@ -61,6 +61,7 @@
 #include "common/backend_facade.hpp"
 #include "common/buffer_pool.hpp"
 #include "common/connection.hpp"
+#include "common/connection_engine.hpp"
 #include "common/endpoint_registry.hpp"
 #include "common/endpoint_rules.hpp"
 #include "common/log.hpp"
@@ -105,8 +106,8 @@ constexpr auto SERVER_GREETING_TIMEOUT = 5s;
 // After a close the control socket waits this long for the peer's end (LingeringSockets).
 constexpr auto LINGER_TIMEOUT = 2s;
 
-enum class State { CONNECTING, GREETING, OPEN, CLOSING, CLOSED };
-enum class CloseKind { LOCAL, PEER, ERROR };
+using detail::CloseCause;
+using detail::Phase;
 
 class Backend;
 struct Connection;
@@ -184,17 +185,11 @@ struct Listener {
   std::optional<detail::AcceptPauses> pauses;  // loop thread only
 };
 
+// Its id is a random token: the peer addresses its messages to it (a stray or forged message
+// must not land in another connection).
 struct Connection : detail::ConnectionBase, std::enable_shared_from_this<Connection> {
-  Connection(std::uint64_t id_, std::uint64_t token_, EndPointAddress remote_,
-             const ConnectionParameters& params_, std::uint64_t listener_id_, bool thread_safe,
-             State initial)
-      : ConnectionBase{std::move(remote_), params_, listener_id_, thread_safe},
-        id{id_},
-        token{token_},
-        state{initial} {}
+  using ConnectionBase::ConnectionBase;
 
-  const std::uint64_t id;
-  const std::uint64_t token;  // ours: the peer addresses its messages to it
   Backend* backend{nullptr};  // for UCX callbacks, whose argument is the connection
 
   // Control channel (loop thread; control_fd is published under `mutex`, because the loop
@@ -207,8 +202,7 @@ struct Connection : detail::ConnectionBase, std::enable_shared_from_this<Connect
   bool greeted{false};                      // the peer's HELLO arrived (control channel)
   bool peer_ready{false};                   // the peer's READY arrived (over UCX)
 
-  // Under `mutex`; `state` is written on the loop thread only.
-  State state;
+  // Under `mutex`.
   std::shared_ptr<Endpoint> ep;  // from the HELLO until the close releases it
   bool ep_released{false};
   bool ep_closing{false};  // the endpoint is being closed by force: no more sends on it
@@ -244,11 +238,6 @@ struct Connection : detail::ConnectionBase, std::enable_shared_from_this<Connect
   bool dirty{false};
   bool failed{false};      // a protocol error is being reported: ignore what follows
   std::string peer_error;  // the peer is gone; closed once what arrived is delivered
-  // Closing.
-  CloseKind close_kind{CloseKind::LOCAL};
-  std::string close_reason;
-  bool was_open{false};
-  bool reported{false};  // the application was told
 };
 
 struct Event {
@@ -263,18 +252,16 @@ struct Event {
   std::string reason{};
 };
 
-class Backend : public std::enable_shared_from_this<Backend> {
+class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
+                public std::enable_shared_from_this<Backend> {
  public:
   static constexpr BackendType TYPE = BackendType::UCX;
-  using Registry = detail::EndpointRegistry<Connection, Listener>;
+  using Engine = detail::ConnectionEngine<Backend, Connection, Listener>;
+  friend Engine;
 
   Backend(NetworkConfig config, std::shared_ptr<BaseEventLoop> loop)
-      : m_config{std::move(config)},
-        m_loop{std::move(loop)},
-        m_notifier{NAME, m_config},
-        m_thread{m_config.thread_safety, *m_loop},
+      : Engine{NAME, config, std::move(loop), config.thread_safety},
         m_transports{choose_transports(m_config.mode)},
-        m_ids_mutex{m_thread.safe()},
         m_rng{std::random_device{}()},
         m_events_mutex{m_thread.safe()} {
     const auto& shared_tx = m_config.shared_send_buffers;
@@ -294,6 +281,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
   ~Backend() { shutdown(); }
 
   void start() {
+    start_engine();
     std::weak_ptr<Backend> weak = weak_from_this();
     m_kick = m_loop->create_signal([weak] {
       if (auto self = weak.lock()) {
@@ -301,21 +289,11 @@ class Backend : public std::enable_shared_from_this<Backend> {
         self->progress();
       }
     });
-    const auto close_on_expiry = [weak](const std::shared_ptr<Connection>& conn,
-                                        const std::string& reason) {
-      if (auto self = weak.lock()) self->close_connection(conn, reason, CloseKind::ERROR);
-    };
-    m_deadlines.emplace(
-        *m_loop, NAME, m_config.limits.connect_timeout,
-        [](const Connection& conn) {
-          return conn.state == State::CONNECTING || conn.state == State::GREETING;
-        },
-        close_on_expiry);
     m_greeting_deadlines.emplace(
         *m_loop, NAME,
         std::min<std::chrono::milliseconds>(m_config.limits.connect_timeout,
                                             SERVER_GREETING_TIMEOUT),
-        [](const Connection& conn) { return conn.state == State::GREETING && !conn.greeted; },
+        [](const Connection& conn) { return conn.phase == Phase::HANDSHAKE && !conn.greeted; },
         [weak](const std::shared_ptr<Connection>& conn, const std::string& reason) {
           if (auto self = weak.lock()) {
             const auto why = fmt::format(
@@ -323,13 +301,13 @@ class Backend : public std::enable_shared_from_this<Backend> {
                 "later; older ones listen with UCX's connection manager)",
                 reason, PROTOCOL_VERSION);
             NETIO3_WARN("ucx: connection to {}: {}", conn->remote, why);
-            self->close_connection(conn, why, CloseKind::ERROR);
+            self->close(conn, why, CloseCause::ERROR);
           }
         },
         "waiting for the server's greeting", false);
     m_close_deadlines.emplace(
         *m_loop, NAME, m_config.limits.close_timeout,
-        [](const Connection& conn) { return conn.state == State::CLOSING && !conn.ep_released; },
+        [](const Connection& conn) { return conn.phase == Phase::CLOSING && !conn.ep_released; },
         [weak](const std::shared_ptr<Connection>& conn, const std::string&) {
           if (auto self = weak.lock()) self->close_timed_out(conn);
         },
@@ -337,7 +315,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
     m_peer_close_deadlines.emplace(
         *m_loop, NAME, m_config.limits.close_timeout,
         [](const Connection& conn) {
-          return conn.state == State::GREETING || conn.state == State::OPEN;
+          return conn.phase == Phase::HANDSHAKE || conn.phase == Phase::OPEN;
         },
         [weak](const std::shared_ptr<Connection>& conn, const std::string&) {
           if (auto self = weak.lock()) self->peer_close_timed_out(conn);
@@ -346,30 +324,18 @@ class Backend : public std::enable_shared_from_this<Backend> {
     m_lingering.emplace(*m_loop, LINGER_TIMEOUT);
   }
 
-  [[nodiscard]] const detail::Notifier& notifier() const noexcept { return m_notifier; }
-
   void shutdown() noexcept {
-    if (m_shut_down.exchange(true)) return;
-    Registry::Contents all;
-    {
-      const auto held = m_registry.lock();
-      all = m_registry.take_all(held);
-    }
+    if (!begin_shutdown()) return;
+    const auto all = take_everything();
     m_prepare.close();
     m_kick.close();
     m_efd.close();
-    for (auto* deadlines :
-         {&m_deadlines, &m_greeting_deadlines, &m_close_deadlines, &m_peer_close_deadlines}) {
+    for (auto* deadlines : {&m_greeting_deadlines, &m_close_deadlines, &m_peer_close_deadlines}) {
       if (*deadlines) (*deadlines)->close();
     }
     for (auto& listener : all.listeners) close_listener_socket(*listener);
-    std::vector<std::shared_ptr<Connection>> conns;
-    {
-      const std::lock_guard lock{m_ids_mutex};
-      for (const auto& [id, weak] : m_conn_ids) {
-        if (auto conn = weak.lock()) conns.push_back(std::move(conn));
-      }
-    }
+    // Every connection UCX may still hold something of (closed ones too: m_closing).
+    std::vector<std::shared_ptr<Connection>> conns = m_registry.indexed();
     if (!m_worker) {
       // Never connected or listened: nothing of UCX's to wind down.
       for (const auto& conn : conns) drop_control(*conn);
@@ -412,14 +378,14 @@ class Backend : public std::enable_shared_from_this<Backend> {
     // delivered what came before it. No send is accepted from here on.
     std::vector<std::shared_ptr<Connection>> announced;
     for (const auto& conn : conns) {
-      State previous{};
+      Phase previous{};
       {
         const std::lock_guard lock{conn->mutex};
-        previous = conn->state;
-        conn->state = State::CLOSED;
+        previous = conn->phase;
+        conn->phase = Phase::CLOSED;
         conn->ledger.cancel_all();
       }
-      if (previous == State::OPEN && conn->peer_error.empty() &&
+      if (previous == Phase::OPEN && conn->peer_error.empty() &&
           send_control(*conn, MessageType::BYE) == UCS_OK) {
         announced.push_back(conn);
       }
@@ -491,11 +457,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
     m_closing.clear();
     m_peers.clear();
     m_endpoints.clear();
-    {
-      const std::lock_guard lock{m_ids_mutex};
-      m_conn_ids.clear();
-      m_by_token.clear();
-    }
+    m_registry.clear_index();
     // No callback can come after this; connections that outlive us hold no UCX resource.
     m_worker.reset();
     NETIO3_DEBUG("ucx: backend shut down");
@@ -505,9 +467,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
 
   EndPointAddress open_listen_endpoint(const EndPointAddress& address,
                                        const ConnectionParameters& params) {
-    m_thread.check_caller("open_listen_endpoint");
-    detail::check_address(address, "open_listen_endpoint");
-    detail::check_connection_parameters(params, m_config, true);
+    const ApiCall call = open_call(address, params, true);
     const auto fail = [&](std::string_view why) {
       return FailedOpenListenEndpoint(fmt::format("ucx: cannot listen on {}: {}", address, why));
     };
@@ -529,7 +489,6 @@ class Backend : public std::enable_shared_from_this<Backend> {
       m_registry.check_listen_free(held, bound);
       listener->address = bound;
       listener->pauses.emplace(NAME, bound);
-      std::weak_ptr<Backend> weak = weak_from_this();
       std::weak_ptr<Listener> weak_listener = listener;
       const std::lock_guard lock{listener->mutex};
       listener->socket = std::move(socket);
@@ -541,12 +500,8 @@ class Backend : public std::enable_shared_from_this<Backend> {
           if (!l->closed) l->fd.modify(EPOLLIN);
         }
       });
-      listener->fd =
-          m_loop->add_fd(listener->socket.get(), EPOLLIN, [weak, weak_listener](std::uint32_t) {
-            auto self = weak.lock();
-            auto l = weak_listener.lock();
-            if (self && l) self->on_acceptable(l);
-          });
+      listener->fd = m_loop->add_fd(listener->socket.get(), EPOLLIN,
+                                    fd_callback<&Backend::on_acceptable>(listener));
     } catch (const ListenEndpointAlreadyExists&) {
       throw;
     } catch (const std::runtime_error& e) {
@@ -560,9 +515,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
   }
 
   void open_active_endpoint(const EndPointAddress& address, const ConnectionParameters& params) {
-    m_thread.check_caller("open_active_endpoint");
-    detail::check_address(address, "open_active_endpoint");
-    detail::check_connection_parameters(params, m_config, false);
+    const ApiCall call = open_call(address, params, false);
     if (!detail::to_socket_address(address)) {
       throw InvalidEndpointAddress(fmt::format("ucx: {} is not a numeric IP address", address));
     }
@@ -581,118 +534,69 @@ class Backend : public std::enable_shared_from_this<Backend> {
       const auto held = m_registry.lock();
       m_registry.check_connection_free(held, address);
       try {
-        conn = make_connection(address, params, 0, State::CONNECTING, m_global_recv);
+        conn = make_connection(held, address, params, 0, Phase::CONNECTING, m_global_recv);
         auto started = detail::connect_tcp(address, m_config.limits.peer_timeout);
         error = started.error;
         // Findable by its token before the loop can see the socket: the peer's first message
         // may arrive before this call returns.
-        remember(conn);
+        m_registry.index(held, conn);
         const std::lock_guard lock{conn->mutex};
         conn->control = std::move(started.socket);
         if (error == 0) {
           conn->control_fd = m_loop->add_fd(conn->control.get(), EPOLLOUT, control_callback(conn));
         }
       } catch (const InvalidConnectionParameters&) {
-        if (conn) forget(*conn);
+        if (conn) m_registry.forget_locked(held, conn->id);
         throw;
       } catch (const std::runtime_error& e) {
-        if (conn) forget(*conn);
+        if (conn) m_registry.forget_locked(held, conn->id);
         throw fail(e.what());
       }
       m_registry.add_connection(held, conn);
     }
     if (error != 0) {
       // Failed at once (no route, ...): reported like any refusal, from the loop.
-      post_close(conn, fmt::format("connect failed: {}", detail::errno_text(error)),
-                 CloseKind::ERROR);
+      close_later(conn, fmt::format("connect failed: {}", detail::errno_text(error)),
+                  CloseCause::ERROR);
       return;
     }
-    m_deadlines->track(conn);
+    track_setup(conn);
     NETIO3_DEBUG("ucx: connecting to {}", address);
-  }
-
-  void close_listen_endpoint(const EndPointAddress& address) {
-    m_thread.check_caller("close_listen_endpoint");
-    std::shared_ptr<Listener> listener;
-    std::vector<std::shared_ptr<Connection>> children;
-    {
-      const auto held = m_registry.lock();
-      std::tie(listener, children) = m_registry.take_listener(held, address);
-    }
-    close_listener_socket(*listener);
-    NETIO3_DEBUG("ucx: stopped listening on {} ({} connection(s) to close)", address,
-                 children.size());
-    for (const auto& child : children) close_requested(child, "listen endpoint closed");
-  }
-
-  void close_active_endpoint(const EndPointAddress& address) {
-    m_thread.check_caller("close_active_endpoint");
-    std::shared_ptr<Connection> conn;
-    {
-      const auto held = m_registry.lock();
-      conn = m_registry.take_for_close(held, address);
-    }
-    close_requested(conn, "closed locally");
-  }
-
-  NetworkBuffer* get_buffer(const EndPointAddress& address) {
-    m_thread.check_caller("get_buffer");
-    return detail::acquire_send_buffer(*m_registry.get(address, "get_buffer"), NAME);
-  }
-
-  NetioStatus send_buffer(const EndPointAddress& address, NetworkBuffer* buffer) {
-    m_thread.check_caller("send_buffer");
-    const auto conn = m_registry.get(address, "send_buffer");
-    detail::BufferPool* pool = detail::claim_send_buffer(*conn, buffer, NAME);
-    if (pool == nullptr) return NetioStatus::FAILED;
-    const iovec iov{buffer->data(), buffer->size()};
-    const auto status = send_message(*conn, {}, std::span{&iov, 1}, SendKind::BUFFERED,
-                                     detail::PendingSend{buffer->id(), buffer});
-    if (status != NetioStatus::OK) pool->abort_send(buffer);
-    return status;
   }
 
   NetioStatus send_data(const EndPointAddress& address, std::span<const iovec> iov,
                         std::span<const std::uint8_t> header, std::uint64_t key) {
-    m_thread.check_caller("send_data");
-    const auto conn = m_registry.get(address, "send_data");
-    if (!detail::header_ok(address, header, NAME)) return NetioStatus::FAILED;
-    std::span<std::uint8_t> region;
-    {
-      const std::lock_guard lock{conn->mutex};
-      region = conn->region;
-    }
-    if (region.empty()) {
-      throw NotSupported(
-          fmt::format("ucx: send_data to {}: the endpoint was opened without a zero-copy region "
-                      "(send_zero_copy_params.mr_start)",
-                      address));
-    }
-    for (const auto& v : iov) {
-      const auto* p = static_cast<const std::uint8_t*>(v.iov_base);
-      if (v.iov_len > 0 &&
-          (p < region.data() || v.iov_len > region.size() ||
-           p - region.data() > static_cast<std::ptrdiff_t>(region.size() - v.iov_len))) {
-        NETIO3_WARN("ucx: send_data to {}: {} bytes at {} lie outside the mapped region [{}, +{})",
-                    address, v.iov_len, static_cast<const void*>(p),
-                    static_cast<const void*>(region.data()), region.size());
-        return NetioStatus::FAILED;
-      }
-    }
+    const ApiCall call{*this, "send_data"};
+    const auto conn = zero_copy_target(address, iov, header);
+    if (!conn) return NetioStatus::FAILED;
     return send_message(*conn, header, iov, SendKind::ZERO_COPY, detail::PendingSend{key, nullptr});
   }
 
   NetioStatus send_data_copy(const EndPointAddress& address, std::span<const iovec> iov,
                              std::span<const std::uint8_t> header, std::uint64_t key) {
-    m_thread.check_caller("send_data_copy");
-    const auto conn = m_registry.get(address, "send_data_copy");
+    const ApiCall call{*this, "send_data_copy"};
+    const auto conn = connection_for(address, "send_data_copy");
     if (!detail::header_ok(address, header, NAME)) return NetioStatus::FAILED;
     return send_message(*conn, header, iov, SendKind::COPY, detail::PendingSend{key, nullptr});
   }
 
  private:
   [[nodiscard]] bool safe() const noexcept { return m_thread.safe(); }
-  std::uint64_t next_id() { return m_next_id.fetch_add(1); }
+
+  // ---- the transport (detail::TransportOf) ---------------------------------------------
+
+  NetioStatus post_buffer(const std::shared_ptr<Connection>& conn, NetworkBuffer* buffer) {
+    const iovec iov{buffer->data(), buffer->size()};
+    return send_message(*conn, {}, std::span{&iov, 1}, SendKind::BUFFERED,
+                        detail::PendingSend{buffer->id(), buffer});
+  }
+
+  void close_listener(const std::shared_ptr<Listener>& listener) noexcept {
+    close_listener_socket(*listener);
+  }
+
+  // The backend's shutdown winds every connection down itself.
+  static void abandon(Connection& /*conn*/) noexcept {}
 
   // ---- the worker ----------------------------------------------------------------------
 
@@ -797,12 +701,14 @@ class Backend : public std::enable_shared_from_this<Backend> {
 
   // ---- connections -----------------------------------------------------------------
 
-  std::shared_ptr<Connection> make_connection(const EndPointAddress& remote,
+  // Under the registry's lock (`held`): the token must stay unused until it is indexed.
+  std::shared_ptr<Connection> make_connection(const Registry::Lock& held,
+                                              const EndPointAddress& remote,
                                               const ConnectionParameters& params,
-                                              std::uint64_t listener_id, State initial,
+                                              std::uint64_t listener_id, Phase initial,
                                               std::shared_ptr<RecvPool> shared) {
-    auto conn = std::make_shared<Connection>(next_id(), new_token(), remote, params, listener_id,
-                                             safe(), initial);
+    auto conn =
+        std::make_shared<Connection>(new_token(held), remote, params, listener_id, safe(), initial);
     conn->backend = this;
     if (shared) {
       conn->recv = std::move(shared);
@@ -827,11 +733,10 @@ class Backend : public std::enable_shared_from_this<Backend> {
 
   // A random connection token that no connection of this backend has: messages are routed
   // by it, and a stray or forged message must not land in another connection.
-  std::uint64_t new_token() {
-    const std::lock_guard lock{m_ids_mutex};
+  std::uint64_t new_token(const Registry::Lock& held) {
     while (true) {
       const std::uint64_t token = m_rng();
-      if (token != 0 && !m_by_token.contains(token)) return token;
+      if (token != 0 && !m_registry.id_in_use(held, token)) return token;
     }
   }
 
@@ -842,36 +747,10 @@ class Backend : public std::enable_shared_from_this<Backend> {
                                 .receive = true};
   }
 
-  void remember(const std::shared_ptr<Connection>& conn) {
-    const std::lock_guard lock{m_ids_mutex};
-    m_conn_ids.emplace(conn->id, conn);
-    m_by_token.emplace(conn->token, conn);
-  }
-  void forget(const Connection& conn) {
-    const std::lock_guard lock{m_ids_mutex};
-    m_conn_ids.erase(conn.id);
-    m_by_token.erase(conn.token);
-  }
-  std::shared_ptr<Connection> connection_by_id(std::uint64_t id) {
-    const std::lock_guard lock{m_ids_mutex};
-    const auto it = m_conn_ids.find(id);
-    return it == m_conn_ids.end() ? nullptr : it->second.lock();
-  }
-  std::shared_ptr<Connection> connection_by_token(std::uint64_t token) {
-    const std::lock_guard lock{m_ids_mutex};
-    const auto it = m_by_token.find(token);
-    return it == m_by_token.end() ? nullptr : it->second.lock();
-  }
-
   // ---- the control channel ---------------------------------------------------------
 
   FdCallback control_callback(const std::shared_ptr<Connection>& conn) {
-    return
-        [weak = weak_from_this(), weak_conn = std::weak_ptr<Connection>{conn}](std::uint32_t ev) {
-          auto self = weak.lock();
-          auto c = weak_conn.lock();
-          if (self && c) self->on_control_event(c, ev);
-        };
+    return fd_callback<&Backend::on_control_event>(conn);
   }
 
   void close_listener_socket(Listener& listener) noexcept {
@@ -883,8 +762,8 @@ class Backend : public std::enable_shared_from_this<Backend> {
     listener.socket.close();
   }
 
-  void on_acceptable(const std::shared_ptr<Listener>& listener) {
-    for (int i = 0; i < ACCEPTS_PER_EVENT && !m_shut_down; ++i) {
+  void on_acceptable(const std::shared_ptr<Listener>& listener, std::uint32_t /*events*/) {
+    for (int i = 0; i < ACCEPTS_PER_EVENT && !shut_down(); ++i) {
       sockaddr_storage peer{};
       socklen_t len = sizeof(peer);
       detail::Socket socket;
@@ -940,36 +819,31 @@ class Backend : public std::enable_shared_from_this<Backend> {
     std::shared_ptr<Connection> conn;
     {
       const auto held = m_registry.lock();
-      if (!m_registry.has_listener(held, listener->address)) return;  // closed meanwhile
-      if (m_registry.find(held, remote)) {
-        // A source-port collision (docs/semantics.md): the refusal greeting tells a netio3
-        // client to connect from another port.
-        NETIO3_WARN(
-            "ucx: refusing a connection on {} from {}: a connection from that address "
-            "and port exists (a source-port collision: the client should connect from "
-            "another port)",
-            listener->address, remote);
+      const auto admission = Engine::admission(held, *listener, remote);
+      if (admission == Admission::LISTENER_CLOSED) return;
+      if (admission == Admission::SOURCE_PORT_COLLISION) {
+        // The refusal greeting tells a netio3 client to connect from another port.
         if (detail::send_now(socket.get(), detail::encode_refusal_greeting(CONTROL_PROTOCOL))) {
           m_lingering->add(std::move(socket));
         }
         return;
       }
       try {
-        conn = make_connection(remote, listener->params, listener->id, State::GREETING,
+        conn = make_connection(held, remote, listener->params, listener->id, Phase::HANDSHAKE,
                                listener->shared_recv ? listener->shared_recv : m_global_recv);
-        remember(conn);
+        m_registry.index(held, conn);
         const std::lock_guard lock{conn->mutex};
         conn->control = std::move(socket);
         conn->control_fd = m_loop->add_fd(conn->control.get(), EPOLLIN, control_callback(conn));
       } catch (const std::exception& e) {
         NETIO3_WARN("ucx: refusing a connection on {} from {}: {}", listener->address, remote,
                     e.what());
-        if (conn) forget(*conn);
+        if (conn) m_registry.forget_locked(held, conn->id);
         return;
       }
       m_registry.add_connection(held, conn);
     }
-    m_deadlines->track(conn);
+    track_setup(conn);
     NETIO3_DEBUG("ucx: accepted a connection from {} on {}", remote, listener->address);
     // The server greets at once; the client greets as soon as its connection is up.
     write_control(conn, opening(*conn));
@@ -979,7 +853,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
     return encode_opening(
         Hello{.mode = m_config.mode == NetworkMode::RDMA ? std::uint8_t{1} : std::uint8_t{0},
               .max_message_size = m_config.limits.max_message_size,
-              .token = conn.token,
+              .token = conn.id,
               .worker_address = m_worker->address()});
   }
 
@@ -998,7 +872,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
         if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
         const auto reason =
             fmt::format("sending on the control connection failed: {}", detail::errno_text(errno));
-        close_connection(conn, reason, CloseKind::ERROR);
+        close(conn, reason, CloseCause::ERROR);
         return;
       }
       if (bytes.empty()) return;
@@ -1019,23 +893,21 @@ class Backend : public std::enable_shared_from_this<Backend> {
   }
 
   void on_control_event(const std::shared_ptr<Connection>& conn, std::uint32_t events) {
-    if (m_shut_down || !conn->control.valid()) return;
-    if (conn->state == State::CONNECTING) {
+    if (shut_down() || !conn->control.valid()) return;
+    if (conn->phase == Phase::CONNECTING) {
       const int err = detail::connect_result(conn->control.get());
       if (err != 0) {
-        close_connection(conn, fmt::format("connect failed: {}", detail::errno_text(err)),
-                         CloseKind::ERROR);
+        close(conn, fmt::format("connect failed: {}", detail::errno_text(err)), CloseCause::ERROR);
         return;
       }
       if (detail::connected_to_itself(conn->control.get())) {
-        close_connection(conn,
-                         "connect failed: nothing listens there (the socket connected to itself)",
-                         CloseKind::ERROR);
+        close(conn, "connect failed: nothing listens there (the socket connected to itself)",
+              CloseCause::ERROR);
         return;
       }
       {
         const std::lock_guard lock{conn->mutex};
-        conn->state = State::GREETING;
+        conn->phase = Phase::HANDSHAKE;
         conn->control_fd.modify(EPOLLIN);
       }
       m_greeting_deadlines->track(conn);
@@ -1044,14 +916,14 @@ class Backend : public std::enable_shared_from_this<Backend> {
     }
     if ((events & EPOLLOUT) != 0 && !conn->control_out.empty()) {
       flush_control(conn);
-      if (m_shut_down || !conn->control.valid()) return;
+      if (shut_down() || !conn->control.valid()) return;
     }
     if ((events & (EPOLLIN | EPOLLHUP | EPOLLERR)) != 0) read_control(conn);
   }
 
   [[nodiscard]] bool control_active(const Connection& conn) const noexcept {
-    return !m_shut_down && conn.control.valid() &&
-           (conn.state == State::GREETING || conn.state == State::OPEN);
+    return !shut_down() && conn.control.valid() &&
+           (conn.phase == Phase::HANDSHAKE || conn.phase == Phase::OPEN);
   }
 
   void read_control(const std::shared_ptr<Connection>& conn) {
@@ -1065,7 +937,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
             [&](std::span<const std::uint8_t> frame) { return on_control_frame(conn, frame); });
         if (!control_active(*conn)) return;
         if (status == detail::FrameDecoder::Status::ERROR) {
-          if (conn->decoder.refused_address_in_use() && conn->state == State::GREETING &&
+          if (conn->decoder.refused_address_in_use() && conn->phase == Phase::HANDSHAKE &&
               !conn->greeted && reconnect_from_new_source_port(conn)) {
             return;
           }
@@ -1110,7 +982,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
     const std::lock_guard lock{conn->mutex};
     conn->control_fd.close();
     conn->control = std::move(started.socket);
-    conn->state = State::CONNECTING;
+    conn->phase = Phase::CONNECTING;
     conn->control_fd = m_loop->add_fd(conn->control.get(), EPOLLOUT, control_callback(conn));
     return true;
   }
@@ -1118,7 +990,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
   // A protocol error on the control channel: that one connection goes, with the reason.
   void protocol_error_now(const std::shared_ptr<Connection>& conn, const std::string& why) {
     NETIO3_WARN("ucx: closing connection with {}: {}", conn->remote, why);
-    close_connection(conn, why, CloseKind::ERROR);
+    close(conn, why, CloseCause::ERROR);
   }
 
   // Returns whether to go on decoding.
@@ -1144,7 +1016,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
   }
 
   void on_hello(const std::shared_ptr<Connection>& conn, std::span<const std::uint8_t> frame) {
-    if (conn->greeted || conn->state != State::GREETING) {
+    if (conn->greeted || conn->phase != Phase::HANDSHAKE) {
       protocol_error_now(conn, "a second HELLO");
       return;
     }
@@ -1176,7 +1048,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
     } catch (const std::runtime_error& e) {
       const auto reason = fmt::format("cannot reach the peer over UCX: {}", e.what());
       NETIO3_WARN("ucx: connection with {}: {}", conn->remote, reason);
-      close_connection(conn, reason, CloseKind::ERROR);
+      close(conn, reason, CloseCause::ERROR);
       return;
     }
     endpoint->users.push_back(conn);
@@ -1196,27 +1068,18 @@ class Backend : public std::enable_shared_from_this<Backend> {
     if (ready != UCS_OK) {
       const auto reason = fmt::format("sending READY failed: {}", status_text(ready));
       NETIO3_WARN("ucx: connection with {}: {}", conn->remote, reason);
-      close_connection(conn, reason, CloseKind::ERROR);
+      close(conn, reason, CloseCause::ERROR);
       return;
     }
     mark_dirty(*conn);  // the peer's READY may be here already
-  }
-
-  // Both HELLO and the peer's READY are in: the connection is established.
-  void established(const std::shared_ptr<Connection>& conn) {
-    {
-      const std::lock_guard lock{conn->mutex};
-      conn->state = State::OPEN;
-    }
-    m_notifier.established(conn->remote, capabilities(*conn));
   }
 
   // The control connection ended (EOF or error) while the connection is set up or open.
   void on_control_end(const std::shared_ptr<Connection>& conn, const std::string& how) {
     drop_control(*conn);
     if (conn->peer_total) return;  // after CLOSE: its messages are still arriving
-    if (conn->state != State::OPEN) {
-      close_connection(conn, how, CloseKind::ERROR);
+    if (conn->phase != Phase::OPEN) {
+      close(conn, how, CloseCause::ERROR);
       return;
     }
     // No CLOSE first, which a live netio3 peer always sends, also when it closes after an
@@ -1270,7 +1133,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
   std::shared_ptr<Endpoint> acquire_endpoint(std::span<const std::uint8_t> address) {
     std::string peer{address.begin(), address.end()};
     if (const auto it = m_peers.find(peer); it != m_peers.end()) return it->second;
-    auto endpoint = std::make_shared<Endpoint>(next_id(), peer);
+    auto endpoint = std::make_shared<Endpoint>(++m_endpoint_ids, peer);
     endpoint->backend = this;
     endpoint->last_progress = std::chrono::steady_clock::now();
     // UCX reads the address without knowing its length: a copy with room behind it, so that
@@ -1344,7 +1207,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
     const auto users = endpoint->users;
     for (const auto& user : users) {
       if (auto conn = user.lock()) on_ep_error(conn, why);
-      if (m_shut_down) return;
+      if (shut_down()) return;
     }
   }
 
@@ -1364,8 +1227,8 @@ class Backend : public std::enable_shared_from_this<Backend> {
         const std::lock_guard lock{conn->mutex};
         conn->ep_gone = true;
       }
-      if (conn->state == State::CLOSING) advance_close(conn);
-      if (m_shut_down) return;
+      if (conn->phase == Phase::CLOSING) advance_close(conn);
+      if (shut_down()) return;
     }
   }
 
@@ -1393,11 +1256,10 @@ class Backend : public std::enable_shared_from_this<Backend> {
     }
     {
       const std::lock_guard lock{conn.mutex};
-      if (conn.close_requested.load(std::memory_order_relaxed) || conn.state == State::CLOSING ||
-          conn.state == State::CLOSED) {
+      if (conn.close_requested.load(std::memory_order_relaxed) || conn.ending()) {
         return NetioStatus::FAILED;
       }
-      if (conn.state != State::OPEN) return NetioStatus::NO_RESOURCES;  // still connecting
+      if (conn.phase != Phase::OPEN) return NetioStatus::NO_RESOURCES;  // still connecting
       if (size > conn.peer_max) {
         NETIO3_WARN("ucx: send to {}: a message of {} bytes exceeds the peer's limit of {} bytes",
                     conn.remote, size, conn.peer_max);
@@ -1448,7 +1310,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
         conn.unsent_bytes += size;
       } else if (status == UCS_OK) {
         // Gone at once: completed now, reported from the loop. The close is reported only
-        // once every such completion has been (maybe_finish waits for completions_queued).
+        // once every such completion has been (quiescent() waits for completions_queued).
         detail::PendingSend done;
         conn.ledger.complete(op.ticket, done);
         release_op(conn, op);
@@ -1618,7 +1480,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
     const bool persistent = (param.recv_attr & UCP_AM_RECV_ATTR_FLAG_DATA) != 0;
     // Dropping a rendezvous message fails the sender's send; an eager one is just freed.
     const ucs_status_t drop = rndv ? UCS_ERR_CANCELED : UCS_OK;
-    if (m_shut_down) return drop;
+    if (shut_down()) return drop;
     std::string error;
     const auto decoded = decode_header(header, error);
     if (!decoded) {
@@ -1626,12 +1488,12 @@ class Backend : public std::enable_shared_from_this<Backend> {
       NETIO3_WARN("ucx: dropping a message: {}", error);
       return drop;
     }
-    const auto conn = connection_by_token(decoded->token);
+    const auto conn = m_registry.by_id(decoded->token);
     if (!conn) {
       NETIO3_DEBUG("ucx: dropping a message for a connection that is gone");
       return drop;
     }
-    if (conn->failed || conn->state == State::CLOSING || conn->state == State::CLOSED) return drop;
+    if (conn->failed || conn->ending()) return drop;
     const std::uint64_t seq = decoded->seq;
     if (seq < conn->rx_next || seq - conn->rx_next >= MAX_REORDER) {
       protocol_error(*conn, fmt::format("message number {} outside the window [{}, {})", seq,
@@ -1728,7 +1590,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
   // Progresses the worker until it has nothing left and handles what it reported. Returns
   // whether anything happened.
   bool progress() {
-    if (m_progressing || m_shut_down || !m_worker) return false;
+    if (m_progressing || shut_down() || !m_worker) return false;
     m_progressing = true;
     bool active = false;
     for (int round = 0; round < PROGRESS_ROUNDS; ++round) {
@@ -1736,7 +1598,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
       const bool work = has_work();
       active = active || n != 0 || work;
       dispatch();
-      if (m_shut_down) return active;  // the backend is going: leave the flag set
+      if (shut_down()) return active;  // the backend is going: leave the flag set
       if (n == 0 && !has_work()) break;
     }
     m_progressing = false;
@@ -1753,9 +1615,9 @@ class Backend : public std::enable_shared_from_this<Backend> {
 
   // The prepare hook: true when the worker is armed and the loop may sleep on its fd.
   bool may_sleep() {
-    if (m_shut_down) return true;
+    if (shut_down()) return true;
     const bool active = progress();
-    if (m_shut_down) return true;
+    if (shut_down()) return true;
     if (has_work()) return false;
     // Busy-polling (EpollEventLoop::Options::busy_poll): the loop will not sleep this
     // round, so arming would be wasted; say whether there was work to keep it polling.
@@ -1771,7 +1633,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
 
   // Handles recorded events and inboxes until none is left (a handler may add more).
   void dispatch() {
-    for (int guard = 0; guard < 1024 && !m_shut_down; ++guard) {
+    for (int guard = 0; guard < 1024 && !shut_down(); ++guard) {
       // The spare vectors keep their capacity from round to round: recording an event
       // does not allocate once the queues have grown (a nested dispatch, from a callback
       // that progresses, finds them taken and starts empty ones).
@@ -1789,11 +1651,11 @@ class Backend : public std::enable_shared_from_this<Backend> {
       }
       for (auto& event : events) {
         handle(event);
-        if (m_shut_down) return;
+        if (shut_down()) return;
       }
       for (const auto& conn : dirty) {
         service_inbox(conn);
-        if (m_shut_down) return;
+        if (shut_down()) return;
       }
       events.clear();
       dirty.clear();
@@ -1810,9 +1672,8 @@ class Backend : public std::enable_shared_from_this<Backend> {
           const std::lock_guard lock{conn->mutex};
           --conn->completions_queued;
         }
-        if (event.buffer != nullptr) conn->send_pool->release(event.buffer);
-        m_notifier.send_completed(conn->remote, event.key);
-        if (conn->state == State::CLOSING) advance_close(conn);
+        if (!completed(*conn, detail::PendingSend{event.key, event.buffer})) return;
+        if (conn->phase == Phase::CLOSING) advance_close(conn);
         return;
       }
       case Event::Kind::EP_ERROR:
@@ -1824,20 +1685,19 @@ class Backend : public std::enable_shared_from_this<Backend> {
       default:
         break;
     }
-    const auto conn = connection_by_id(event.id);
+    const auto conn = m_registry.by_id(event.id);
     if (!conn) return;
     if (event.kind == Event::Kind::SEND_DONE) {
       on_send_done(conn, event.slot, event.status);
     } else {
-      close_connection(conn, event.reason, CloseKind::ERROR);
+      close(conn, event.reason, CloseCause::ERROR);
     }
   }
 
   void on_send_done(const std::shared_ptr<Connection>& conn, std::uint32_t slot,
                     ucs_status_t status) {
     detail::PendingSend done;
-    bool completed = false;
-    State state{};
+    bool done_now = false;
     {
       const std::lock_guard lock{conn->mutex};
       SendOp& op = conn->ops[slot];
@@ -1846,30 +1706,27 @@ class Backend : public std::enable_shared_from_this<Backend> {
       if (!op.control) {
         --conn->data_ops;
         conn->unsent_bytes -= std::min<std::uint64_t>(conn->unsent_bytes, op.bytes);
-        if (status == UCS_OK) completed = conn->ledger.complete(op.ticket, done);
+        if (status == UCS_OK) done_now = conn->ledger.complete(op.ticket, done);
       }
       release_op(*conn, op);
-      state = conn->state;
     }
     if (status != UCS_OK) {
       // The key is reported with the connection's cancelled keys.
-      if (state != State::CLOSING && state != State::CLOSED) {
+      if (!conn->ending()) {
         NETIO3_WARN("ucx: connection with {}: send failed: {}", conn->remote, status_text(status));
-        close_connection(conn, fmt::format("send failed: {}", status_text(status)),
-                         CloseKind::ERROR);
+        close(conn, fmt::format("send failed: {}", status_text(status)), CloseCause::ERROR);
       }
-    } else if (completed) {
-      if (done.buffer != nullptr) conn->send_pool->release(done.buffer);
-      m_notifier.send_completed(conn->remote, done.key);
+    } else if (done_now && !completed(*conn, done)) {
+      return;
     }
     // CLOSED: a request that outlived the report of the close (on_endpoint_closed); the
     // connection may be freed now.
-    if (conn->state == State::CLOSING || conn->state == State::CLOSED) advance_close(conn);
+    if (conn->ending()) advance_close(conn);
   }
 
   // The connection's endpoint failed or was closed by force: UCX completes its sends.
   void on_ep_error(const std::shared_ptr<Connection>& conn, const std::string& why) {
-    if (conn->state == State::CLOSING || conn->state == State::CLOSED) return;
+    if (conn->ending()) return;
     // What arrived complete before the error is still delivered (a BYE among it makes this
     // an orderly close); service_inbox closes once nothing more can come.
     conn->peer_error = why;
@@ -1880,11 +1737,11 @@ class Backend : public std::enable_shared_from_this<Backend> {
   // Starts the receives of waiting rendezvous messages and delivers what is in order.
   void service_inbox(const std::shared_ptr<Connection>& conn) {
     conn->dirty = false;
-    if (conn->state == State::CLOSING || conn->state == State::CLOSED) {
+    if (conn->ending()) {
       advance_close(conn);
       return;
     }
-    if (conn->state == State::GREETING) {
+    if (conn->phase == Phase::HANDSHAKE) {
       // Set-up: message 0 must be the peer's READY; what follows it waits until the HELLO is
       // in too (nothing is received for a connection that is not set up).
       if (!conn->peer_ready && !conn->inbox.empty() &&
@@ -1902,14 +1759,14 @@ class Backend : public std::enable_shared_from_this<Backend> {
         if (conn->ep) conn->ep->proven = true;
       }
       if (!conn->peer_error.empty()) {
-        close_connection(conn, conn->peer_error, CloseKind::ERROR);
+        close(conn, conn->peer_error, CloseCause::ERROR);
         return;
       }
       if (!conn->peer_ready || !conn->greeted) return;
-      established(conn);
-      if (m_shut_down || conn->state != State::OPEN) return;
+      // Both HELLO and the peer's READY are in.
+      if (!established(conn, capabilities(*conn))) return;
     }
-    if (conn->state != State::OPEN) return;
+    if (conn->phase != Phase::OPEN) return;
     for (auto& slot : conn->inbox) {
       if (slot.stage != Incoming::Stage::RNDV) continue;
       if (conn->receiving > 0 && conn->receiving_bytes + slot.length > RECEIVE_WINDOW) break;
@@ -1922,21 +1779,21 @@ class Backend : public std::enable_shared_from_this<Backend> {
       conn->inbox.pop_front();
       ++conn->rx_next;
       m_delivering = &message;  // a callback that destroys the backend leaves it to shutdown
-      deliver(conn, message);
+      handle_message(conn, message);
       m_delivering = nullptr;
       release(*conn, message);
-      if (m_shut_down) return;
-      if (conn->state == State::CLOSING || conn->state == State::CLOSED) {
+      if (shut_down()) return;
+      if (conn->ending()) {
         advance_close(conn);
         return;
       }
     }
     if (conn->peer_total && conn->rx_next >= *conn->peer_total) {
-      close_connection(conn, "peer closed the connection", CloseKind::PEER);
+      close(conn, "peer closed the connection", CloseCause::PEER);
     } else if (!conn->peer_error.empty()) {
       // The peer is gone: what is still on its way (a rendezvous in flight) cannot complete.
       NETIO3_INFO("ucx: connection with {}: {}", conn->remote, conn->peer_error);
-      close_connection(conn, conn->peer_error, CloseKind::ERROR);
+      close(conn, conn->peer_error, CloseCause::ERROR);
     }
   }
 
@@ -1979,23 +1836,23 @@ class Backend : public std::enable_shared_from_this<Backend> {
     }
   }
 
-  void deliver(const std::shared_ptr<Connection>& conn, const Incoming& message) {
+  void handle_message(const std::shared_ptr<Connection>& conn, const Incoming& message) {
     if (message.stage == Incoming::Stage::FAILED) {
       const auto reason = fmt::format("receiving a message of {} bytes failed: {}", message.length,
                                       status_text(message.status));
       NETIO3_WARN("ucx: connection with {}: {}", conn->remote, reason);
-      close_connection(conn, reason, CloseKind::ERROR);
+      close(conn, reason, CloseCause::ERROR);
       return;
     }
     if (message.type == MessageType::BYE) {
-      close_connection(conn, "peer closed the connection", CloseKind::PEER);
+      close(conn, "peer closed the connection", CloseCause::PEER);
       return;
     }
     if (message.type == MessageType::READY) {
       protocol_error_now(conn, "a second READY");
       return;
     }
-    m_notifier.data(conn->remote, std::span<const std::uint8_t>{message.data, message.length});
+    (void)deliver(*conn, std::span<const std::uint8_t>{message.data, message.length});
   }
 
   // Gives back what a message holds (UCX data, a pool buffer, heap memory).
@@ -2009,99 +1866,68 @@ class Backend : public std::enable_shared_from_this<Backend> {
     message.data = nullptr;
   }
 
-  // ---- closing -----------------------------------------------------------------------
-
-  void post_close(const std::shared_ptr<Connection>& conn, std::string reason, CloseKind kind) {
-    std::weak_ptr<Backend> weak = weak_from_this();
-    m_loop->post([weak, conn, reason = std::move(reason), kind] {
-      if (auto self = weak.lock()) self->close_connection(conn, reason, kind);
-    });
-  }
-
-  // The application closed `conn`: on the loop thread the close starts at once (no send is
-  // accepted from now on); from another thread it is posted to the loop. The closed
-  // callback always comes from the loop, never from inside this call.
-  void close_requested(const std::shared_ptr<Connection>& conn, std::string_view reason) {
-    if (m_loop->in_loop_thread()) {
-      close_connection(conn, reason, CloseKind::LOCAL);
-    } else {
-      post_close(conn, std::string{reason}, CloseKind::LOCAL);
-    }
-  }
-
+  // ---- closing (detail::TransportOf) ---------------------------------------------------
   // Closing has three steps, each waiting for the one before:
   //  1. a local or peer close of an open connection waits for its sends to complete (for at
   //     most close_timeout); after an error, or during set-up, it does not wait;
   //  2. the endpoint is released: kept for reuse after a clean close, closed by force
   //     otherwise (UCX then cancels what it still holds);
-  //  3. the application hears of it once UCX holds no send request of the connection (and
-  //     every send that completed at once was reported), from the loop; the connection is
-  //     freed once no rendezvous receive is in flight on it.
-  void close_connection(const std::shared_ptr<Connection>& conn, std::string_view reason,
-                        CloseKind kind) {
-    if (m_shut_down) return;
-    State previous{};
-    {
-      const std::lock_guard lock{conn->mutex};
-      previous = conn->state;
-      if (previous == State::CLOSING || previous == State::CLOSED) return;
-      conn->state = State::CLOSING;
-    }
-    {
-      const auto held = m_registry.lock();
-      m_registry.remove(held, conn);
-    }
+  //  3. the engine reports it once UCX holds no send request of the connection (and every
+  //     send that completed at once was reported): quiescent(); the connection is freed once
+  //     no rendezvous receive is in flight on it (release_if_idle).
+
+  void close_transport(const std::shared_ptr<Connection>& conn) {
     m_closing.emplace(conn->id, conn);  // kept until UCX is done with it
-    conn->close_kind = kind;
-    conn->close_reason = std::string{reason};
-    conn->was_open = previous == State::OPEN;
+    const auto& ending = conn->ending_info;
     // What arrived but was not delivered is dropped; receives in flight finish first.
     for (auto& slot : conn->inbox) {
       if (slot.stage != Incoming::Stage::RECEIVING) release(*conn, slot);
       slot.stage = Incoming::Stage::DROPPED;
     }
-    if (kind == CloseKind::LOCAL && previous == State::OPEN) {
+    if (ending.cause == CloseCause::LOCAL && ending.was_open) {
       // BYE ends the stream on UCX; CLOSE on the control channel says how many messages
       // to expect, which also covers a BYE that could not be sent.
       const auto bye = send_control(*conn, MessageType::BYE);
       if (bye != UCS_OK) {
         NETIO3_DEBUG("ucx: connection with {}: BYE not sent: {}", conn->remote, status_text(bye));
       }
-      std::uint64_t sent = 0;
-      {
-        const std::lock_guard lock{conn->mutex};
-        sent = conn->tx_seq;
-      }
       if (conn->control.valid() && conn->control_out.empty() &&
-          !detail::send_now(conn->control.get(), encode_close(sent))) {
+          !detail::send_now(conn->control.get(), encode_close(sent(*conn)))) {
         drop_control(*conn);
       }
     }
-    if (kind == CloseKind::ERROR) {
+    if (ending.cause == CloseCause::ERROR) {
       // A CLOSE all the same, so that the peer does not take the end of the control channel
       // for the death of this process (on_control_end), which would end its other connections.
-      if (conn->control.valid() && conn->control_out.empty() && previous == State::OPEN) {
-        std::uint64_t sent = 0;
-        {
-          const std::lock_guard lock{conn->mutex};
-          sent = conn->tx_seq;
-        }
-        (void)detail::send_now(conn->control.get(), encode_close(sent));
+      if (conn->control.valid() && conn->control_out.empty() && ending.was_open) {
+        (void)detail::send_now(conn->control.get(), encode_close(sent(*conn)));
       }
       drop_control(*conn);
     } else {
       linger_control(*conn);
     }
-    NETIO3_DEBUG("ucx: closing connection with {} ({})", conn->remote, reason);
+    NETIO3_DEBUG("ucx: closing connection with {} ({})", conn->remote, ending.reason);
     m_close_deadlines->track(conn);
-    advance_close(conn);
+    release_endpoint_if_done(conn);
+  }
+
+  [[nodiscard]] bool quiescent(const Connection& conn) const {
+    if (!conn.ep_released) return false;
+    const std::lock_guard lock{conn.mutex};
+    return (conn.requests == 0 || conn.ep_gone) && conn.completions_queued == 0;
+  }
+
+  // Messages sent on the connection so far (the count a CLOSE announces).
+  static std::uint64_t sent(const Connection& conn) {
+    const std::lock_guard lock{conn.mutex};
+    return conn.tx_seq;
   }
 
   // close_timeout passed and UCX still holds sends of the closing connection. While the peer
   // takes anything on the shared endpoint it is alive and they will go: wait on. If it took
   // nothing for close_timeout, it is not reading: the endpoint is closed by force.
   void close_timed_out(const std::shared_ptr<Connection>& conn) {
-    if (conn->state != State::CLOSING || conn->ep_released) return;
+    if (conn->phase != Phase::CLOSING || conn->ep_released) return;
     std::shared_ptr<Endpoint> endpoint;
     {
       const std::lock_guard lock{conn->mutex};
@@ -2133,54 +1959,45 @@ class Backend : public std::enable_shared_from_this<Backend> {
   }
 
   void peer_close_timed_out(const std::shared_ptr<Connection>& conn) {
-    if ((conn->state != State::GREETING && conn->state != State::OPEN) || !conn->peer_total) {
+    if ((conn->phase != Phase::HANDSHAKE && conn->phase != Phase::OPEN) || !conn->peer_total) {
       return;
     }
     const auto reason =
         fmt::format("the peer closed after sending {} messages, {} of them arrived within {} ms",
                     *conn->peer_total, conn->rx_next, m_config.limits.close_timeout.count());
     NETIO3_WARN("ucx: connection with {}: {}", conn->remote, reason);
-    close_connection(conn, reason, CloseKind::ERROR);
+    close(conn, reason, CloseCause::ERROR);
   }
 
+  // A closing connection's sends or receives changed: the next step of its close.
   void advance_close(const std::shared_ptr<Connection>& conn) {
-    if (conn->state == State::CLOSING && !conn->ep_released) {
-      bool sending = false;
-      {
-        const std::lock_guard lock{conn->mutex};
-        sending = (conn->requests > 0 && !conn->ep_gone) || conn->completions_queued > 0;
-      }
-      if (sending) return;  // on_send_done (or on_endpoint_closed) comes back here
-      release_endpoint(*conn);
-    }
-    maybe_finish(conn);
+    release_endpoint_if_done(conn);
+    if (!finish(conn)) return;
+    release_if_idle(conn);
   }
 
-  // Reports the close once the endpoint is released, UCX holds no send request of the
-  // connection and every send that completed at once was reported; frees it once no
-  // receive is in flight.
-  void maybe_finish(const std::shared_ptr<Connection>& conn) {
-    if (!conn->ep_released) return;
-    if (!conn->reported) {
-      std::vector<std::uint64_t> keys;
-      {
-        const std::lock_guard lock{conn->mutex};
-        if ((conn->requests > 0 && !conn->ep_gone) || conn->completions_queued > 0) return;
-        conn->state = State::CLOSED;
-        keys = detail::cancel_all_sends(conn->ledger, conn->send_pool);
-      }
-      conn->reported = true;
-      m_notifier.connection_ended(conn->remote, conn->was_open, conn->active(),
-                                  conn->close_kind == CloseKind::LOCAL, keys, conn->close_reason);
-      if (m_shut_down) return;
-    }
+  // Step 2, once its sends are done.
+  void release_endpoint_if_done(const std::shared_ptr<Connection>& conn) {
+    if (conn->phase != Phase::CLOSING || conn->ep_released) return;
     {
-      // Kept while UCX holds a request of it (its user data is one of conn->ops).
+      const std::lock_guard lock{conn->mutex};
+      if ((conn->requests > 0 && !conn->ep_gone) || conn->completions_queued > 0) return;
+    }
+    release_endpoint(*conn);
+  }
+
+  void after_closed(const std::shared_ptr<Connection>& conn) { release_if_idle(conn); }
+
+  // Frees a CLOSED connection once UCX holds no request of it (its user data is one of
+  // conn->ops) and no receive is in flight on it.
+  void release_if_idle(const std::shared_ptr<Connection>& conn) {
+    if (conn->phase != Phase::CLOSED) return;
+    {
       const std::lock_guard lock{conn->mutex};
       if (conn->requests > 0) return;
     }
-    if (conn->receiving > 0) return;
-    forget(*conn);
+    if (conn->receiving > 0 || !m_closing.contains(conn->id)) return;
+    m_registry.forget(conn->id);
     m_closing.erase(conn->id);
     for (auto& slot : conn->inbox) release(*conn, slot);
     conn->inbox.clear();
@@ -2189,10 +2006,6 @@ class Backend : public std::enable_shared_from_this<Backend> {
     unmap_staging(*conn);
   }
 
-  const NetworkConfig m_config;
-  const std::shared_ptr<BaseEventLoop> m_loop;
-  const detail::Notifier m_notifier;
-  const detail::ThreadModel m_thread;
   const TransportChoice m_transports;
   std::mutex m_worker_mutex;         // ensure_worker
   std::unique_ptr<Worker> m_worker;  // set once, before anything that uses it is registered
@@ -2201,20 +2014,13 @@ class Backend : public std::enable_shared_from_this<Backend> {
   std::unique_ptr<detail::BufferPool> m_shared_send_pool;
   MemoryMap m_shared_send_map;
   std::shared_ptr<RecvPool> m_global_recv;
-  std::atomic<bool> m_shut_down{false};
-  std::atomic<std::uint64_t> m_next_id{1};
 
-  Registry m_registry{NAME};
-  std::optional<detail::SetupDeadlines<Connection>> m_deadlines;
   std::optional<detail::SetupDeadlines<Connection>> m_greeting_deadlines;
   std::optional<detail::SetupDeadlines<Connection>> m_close_deadlines;
   std::optional<detail::SetupDeadlines<Connection>> m_peer_close_deadlines;
   std::optional<detail::LingeringSockets> m_lingering;
 
-  detail::OptionalMutex m_ids_mutex;
-  std::unordered_map<std::uint64_t, std::weak_ptr<Connection>> m_conn_ids;
-  std::unordered_map<std::uint64_t, std::weak_ptr<Connection>> m_by_token;
-  std::mt19937_64 m_rng;  // under m_ids_mutex
+  std::mt19937_64 m_rng;  // under the registry's lock (new_token)
 
   detail::OptionalMutex m_events_mutex;
   std::vector<Event> m_events;
@@ -2222,6 +2028,7 @@ class Backend : public std::enable_shared_from_this<Backend> {
   // Loop thread only.
   std::unordered_map<std::uint64_t, std::shared_ptr<Connection>> m_closing;
   std::unordered_map<std::uint64_t, std::shared_ptr<Endpoint>> m_endpoints;
+  std::uint64_t m_endpoint_ids{0};
   std::unordered_map<std::string, std::shared_ptr<Endpoint>> m_peers;  // by worker address
   std::vector<std::shared_ptr<Connection>> m_dirty;
   std::vector<std::shared_ptr<Connection>> m_spare_dirty;  // loop thread only (dispatch)

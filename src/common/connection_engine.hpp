@@ -1,0 +1,434 @@
+#pragma once
+
+// The connection engine: the lifecycle of a connection, written once for every transport
+// (docs/architecture.md). A backend is
+//
+//   class Backend : public ConnectionEngine<Backend, Connection, Listener>,
+//                   public std::enable_shared_from_this<Backend> { ... };
+//
+// and keeps only "how this transport moves bytes". The engine owns:
+//  - the phases of a connection and how it ended (Phase, CloseCause, ConnectionBase);
+//  - the endpoint registry with its index by id;
+//  - the API's entry checks (thread model, address, parameters) and the calls that every
+//    transport implements the same way: close_active_endpoint, close_listen_endpoint,
+//    get_buffer, and send_buffer's bookkeeping;
+//  - set-up deadlines (limits.connect_timeout);
+//  - the rule for reporting the end of a connection: from the loop thread, exactly once,
+//    with every accepted send that did not complete among the cancelled keys, once the
+//    transport holds nothing of the connection whose end must come first - and never
+//    inside the API call that caused it (a close, a send or an open called on the loop
+//    thread: the report is posted);
+//  - the dispatch guard: every notification returns whether the caller may go on, false
+//    once the application closed the connection or began destroying the backend in its
+//    callback;
+//  - loop-thread assertions (debug builds) and the destruction flag.
+//
+// What the transport implements is the concept TransportOf below.
+
+#include <atomic>
+#include <cassert>
+#include <concepts>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <sys/uio.h>
+#include <tuple>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include <fmt/format.h>
+#include <netio3/event_loop.hpp>
+#include <netio3/exceptions.hpp>
+#include <netio3/network_buffer.hpp>
+#include <netio3/types.hpp>
+
+#include "common/buffer_pool.hpp"
+#include "common/connection.hpp"
+#include "common/endpoint_registry.hpp"
+#include "common/endpoint_rules.hpp"
+#include "common/log.hpp"
+#include "common/notifier.hpp"
+#include "common/send_ledger.hpp"
+#include "common/setup_deadlines.hpp"
+#include "common/thread_model.hpp"
+
+namespace netio3::detail {
+
+// The transport's half of a backend (Derived, for connections Conn and listeners L):
+//  - close_transport(conn): the connection is CLOSING (conn->ending_info says why); begin
+//    closing the transport's side of it - gracefully for a local or peer close of an open
+//    connection. Calls no user callback.
+//  - quiescent(conn): nothing the transport still holds of the connection has to end before
+//    its end is reported (sends whose completion is still to come, and the like).
+//  - abandon(conn): drop it without callbacks (the backend is being destroyed).
+//  - close_listener(listener): stop accepting on it (close_listen_endpoint).
+//  - post_buffer(conn, buffer): send_buffer after the engine's checks; the buffer is
+//    claimed, and handed back to its pool by the engine unless OK is returned.
+// and may implement after_closed(conn): the connection is CLOSED (its end is about to be
+// reported): free what the transport kept for it. No callback.
+template <typename T, typename Conn, typename L>
+concept TransportOf = requires(T& t, const std::shared_ptr<Conn>& conn, Conn& c, L& listener,
+                               NetworkBuffer* buffer) {
+  { t.close_transport(conn) } -> std::same_as<void>;
+  { std::as_const(t).quiescent(std::as_const(c)) } -> std::same_as<bool>;
+  { T::abandon(c) }
+  noexcept;
+  { t.close_listener(std::shared_ptr<L>{}) } -> std::same_as<void>;
+  { t.post_buffer(conn, buffer) } -> std::same_as<NetioStatus>;
+};
+
+template <typename Derived, std::derived_from<ConnectionBase> Conn, RegisteredListener Listener>
+class ConnectionEngine {
+ public:
+  using Registry = EndpointRegistry<Conn, Listener>;
+
+  ConnectionEngine(std::string_view name, NetworkConfig config, std::shared_ptr<BaseEventLoop> loop,
+                   ThreadSafetyModel model)
+      : m_config{std::move(config)},
+        m_loop{std::move(loop)},
+        m_notifier{name, m_config},
+        m_thread{model, *m_loop},
+        m_registry{name, model == ThreadSafetyModel::SAFE},
+        m_name{name} {}
+
+  ConnectionEngine(const ConnectionEngine&) = delete;
+  ConnectionEngine& operator=(const ConnectionEngine&) = delete;
+  ConnectionEngine(ConnectionEngine&&) = delete;
+  ConnectionEngine& operator=(ConnectionEngine&&) = delete;
+  ~ConnectionEngine() = default;
+
+  [[nodiscard]] const Notifier& notifier() const noexcept { return m_notifier; }
+
+  // ---- API calls every transport implements the same way ------------------------------
+
+  void close_active_endpoint(const EndPointAddress& address) {
+    const ApiCall call{*this, "close_active_endpoint"};
+    std::shared_ptr<Conn> conn;
+    {
+      const auto held = m_registry.lock();
+      conn = m_registry.take_for_close(held, address);
+    }
+    close_requested(conn, "closed locally");
+  }
+
+  void close_listen_endpoint(const EndPointAddress& address) {
+    const ApiCall call{*this, "close_listen_endpoint"};
+    std::shared_ptr<Listener> listener;
+    std::vector<std::shared_ptr<Conn>> children;
+    {
+      const auto held = m_registry.lock();
+      std::tie(listener, children) = m_registry.take_listener(held, address);
+    }
+    derived().close_listener(listener);
+    NETIO3_DEBUG("{}: stopped listening on {} ({} connection(s) to close)", m_name, address,
+                 children.size());
+    for (const auto& child : children) close_requested(child, "listen endpoint closed");
+  }
+
+  NetworkBuffer* get_buffer(const EndPointAddress& address) {
+    const ApiCall call{*this, "get_buffer"};
+    return acquire_send_buffer(*m_registry.get(address, "get_buffer"), m_name);
+  }
+
+  NetioStatus send_buffer(const EndPointAddress& address, NetworkBuffer* buffer) {
+    const ApiCall call{*this, "send_buffer"};
+    const auto conn = m_registry.get(address, "send_buffer");
+    BufferPool* pool = claim_send_buffer(*conn, buffer, m_name);
+    if (pool == nullptr) return NetioStatus::FAILED;
+    const NetioStatus status = derived().post_buffer(conn, buffer);
+    if (status != NetioStatus::OK) pool->abort_send(buffer);
+    return status;
+  }
+
+ protected:
+  // An API call in progress: checks the caller against the thread model and, on the loop
+  // thread, marks the loop as inside an API call, so that what the call causes is reported
+  // after it has returned.
+  class [[nodiscard]] ApiCall {
+   public:
+    ApiCall(ConnectionEngine& engine, std::string_view api) {
+      engine.m_thread.check_caller(api);
+      if (engine.m_loop->in_loop_thread()) {
+        m_depth = &engine.m_api_depth;
+        ++*m_depth;
+      }
+    }
+    ApiCall(const ApiCall&) = delete;
+    ApiCall& operator=(const ApiCall&) = delete;
+    ApiCall(ApiCall&& other) noexcept : m_depth{std::exchange(other.m_depth, nullptr)} {}
+    ApiCall& operator=(ApiCall&&) = delete;
+    ~ApiCall() {
+      if (m_depth != nullptr) --*m_depth;
+    }
+
+   private:
+    int* m_depth{nullptr};
+  };
+
+  // open_listen_endpoint / open_active_endpoint: the checks before anything is opened.
+  ApiCall open_call(const EndPointAddress& address, const ConnectionParameters& params,
+                    bool listen) {
+    const std::string_view api = listen ? "open_listen_endpoint" : "open_active_endpoint";
+    ApiCall call{*this, api};
+    check_address(address, api);
+    check_connection_parameters(params, m_config, listen);
+    return call;
+  }
+
+  // The connection named `address` for API call `api` (throws like the registry's get).
+  std::shared_ptr<Conn> connection_for(const EndPointAddress& address, std::string_view api) {
+    return m_registry.get(address, api);
+  }
+
+  // send_data's checks for a transport that sends zero-copy from the connection's registered
+  // region (Conn::region, under its mutex): the connection, or null (logged) when the header
+  // is too long or a piece lies outside the region. Throws NotSupported without a region.
+  std::shared_ptr<Conn> zero_copy_target(const EndPointAddress& address, std::span<const iovec> iov,
+                                         std::span<const std::uint8_t> header) requires
+      requires(Conn& c) {
+    std::span<const std::uint8_t>{c.region};
+  }
+  {
+    auto conn = m_registry.get(address, "send_data");
+    if (!header_ok(address, header, m_name)) return nullptr;
+    std::span<const std::uint8_t> region;
+    {
+      const std::lock_guard lock{conn->mutex};
+      region = conn->region;
+    }
+    if (region.empty()) {
+      throw NotSupported(
+          fmt::format("{}: send_data to {}: the endpoint was opened without a zero-copy region "
+                      "(send_zero_copy_params.mr_start)",
+                      m_name, address));
+    }
+    if (!inside_region(address, iov, region, m_name)) return nullptr;
+    return conn;
+  }
+
+  // A loop callback for an fd of `target` (a connection or listener): calls
+  // (backend->*Handler)(target, events) while both are alive.
+  template <auto Handler, typename Target>
+  FdCallback fd_callback(const std::shared_ptr<Target>& target) {
+    return [weak = derived().weak_from_this(),
+            weak_target = std::weak_ptr<Target>{target}](std::uint32_t events) {
+      auto self = weak.lock();
+      auto t = weak_target.lock();
+      if (self && t) ((*self).*Handler)(t, events);
+    };
+  }
+
+  // ---- set-up ----------------------------------------------------------------------------
+
+  // Called from Derived::start() (needs the shared owner).
+  void start_engine() {
+    std::weak_ptr<Derived> weak = derived().weak_from_this();
+    m_setup.emplace(
+        *m_loop, m_name, m_config.limits.connect_timeout,
+        [](const Conn& conn) { return conn.setting_up(); },
+        [weak](const std::shared_ptr<Conn>& conn, const std::string& reason) {
+          if (auto self = weak.lock()) self->close(conn, reason, CloseCause::ERROR);
+        });
+  }
+
+  // `conn` must be open within limits.connect_timeout, or it is closed with the reason.
+  void track_setup(const std::shared_ptr<Conn>& conn) { m_setup->track(conn); }
+
+  std::uint64_t next_id() noexcept { return m_next_id.fetch_add(1, std::memory_order_relaxed); }
+
+  // Whether a listener may accept a connection from `remote` (under the registry lock).
+  enum class Admission { ACCEPT, LISTENER_CLOSED, SOURCE_PORT_COLLISION };
+  Admission admission(const typename Registry::Lock& held, const Listener& listener,
+                      const EndPointAddress& remote) {
+    if (!m_registry.has_listener(held, listener.address)) return Admission::LISTENER_CLOSED;
+    if (!m_registry.find(held, remote)) return Admission::ACCEPT;
+    // docs/semantics.md: the refusal tells a netio3 client to connect from another port.
+    NETIO3_WARN(
+        "{}: refusing a connection on {} from {}: a connection from that address and port "
+        "exists (a source-port collision: the client should connect from another port)",
+        m_name, listener.address, remote);
+    return Admission::SOURCE_PORT_COLLISION;
+  }
+
+  // The connection is set up: it is open from now on and the application hears of it. False
+  // when the caller must not go on with it (closed by the application before or inside the
+  // callback, or the backend is being destroyed).
+  bool established(const std::shared_ptr<Conn>& conn, const EndpointCapabilities& caps) {
+    assert_loop_thread();
+    // Closed by the application during set-up: its posted close reports it (closed, no keys)
+    // and it is never reported established.
+    if (shut_down() || conn->close_requested.load() || conn->ending()) return false;
+    {
+      const std::lock_guard lock{conn->mutex};
+      conn->phase = Phase::OPEN;
+    }
+    m_notifier.established(conn->remote, caps);
+    return still_open(*conn);
+  }
+
+  // ---- the dispatch guard: notifications that say whether to go on ---------------------
+
+  [[nodiscard]] bool still_open(const Conn& conn) const noexcept {
+    return !shut_down() && conn.phase == Phase::OPEN &&
+           !conn.close_requested.load(std::memory_order_relaxed);
+  }
+
+  // on_data_cb; false when the connection (or the backend) stopped in the callback.
+  bool deliver(const Conn& conn, std::span<const std::uint8_t> bytes) {
+    m_notifier.data(conn.remote, bytes);
+    return still_open(conn);
+  }
+
+  // on_send_completed_cb (the buffer of a buffered send is back in its pool); false when the
+  // backend is being destroyed.
+  bool completed(const Conn& conn, const PendingSend& send) {
+    if (send.buffer != nullptr) conn.send_pool->release(send.buffer);
+    m_notifier.send_completed(conn.remote, send.key);
+    return !shut_down();
+  }
+
+  // ---- closing -------------------------------------------------------------------------
+
+  // Ends `conn`: it stops taking sends, leaves the registry, the transport begins closing
+  // its side, and the end is reported once the transport is quiescent (finish()). Once
+  // per connection; later calls are ignored. `report` false: the connection was replaced
+  // under its address (a retry from a new source port) and the application never hears of
+  // it. Loop thread.
+  void close(const std::shared_ptr<Conn>& conn, std::string_view reason, CloseCause cause,
+             bool report = true) {
+    assert_loop_thread();
+    if (shut_down()) {
+      Derived::abandon(*conn);
+      return;
+    }
+    Phase previous{};
+    {
+      const std::lock_guard lock{conn->mutex};
+      previous = conn->phase;
+      if (previous >= Phase::CLOSING) return;
+      conn->phase = Phase::CLOSING;
+    }
+    conn->ending_info = typename Conn::Ending{.cause = cause,
+                                              .reason = std::string{reason},
+                                              .was_open = previous == Phase::OPEN,
+                                              .reported = report};
+    {
+      const auto held = m_registry.lock();
+      m_registry.remove(held, conn);
+    }
+    m_ending.emplace(conn->id, conn);  // kept until reported (or the backend goes)
+    derived().close_transport(conn);
+    finish(conn);
+  }
+
+  // close() from any thread: posted to the loop.
+  void close_later(const std::shared_ptr<Conn>& conn, std::string reason, CloseCause cause) {
+    std::weak_ptr<Derived> weak = derived().weak_from_this();
+    m_loop->post([weak, conn, reason = std::move(reason), cause] {
+      if (auto self = weak.lock()) self->close(conn, reason, cause);
+    });
+  }
+
+  // The application closed `conn` (or its listener): at once on the loop thread (it is
+  // inside the API call, so the report is posted), else posted.
+  void close_requested(const std::shared_ptr<Conn>& conn, std::string_view reason) {
+    if (m_loop->in_loop_thread()) {
+      close(conn, reason, CloseCause::LOCAL);
+    } else {
+      close_later(conn, std::string{reason}, CloseCause::LOCAL);
+    }
+  }
+
+  // The transport's holdings of a CLOSING connection changed: once it is quiescent, the
+  // connection is CLOSED, every send still open is cancelled and the end is reported.
+  // Returns false when the caller must not go on (the backend is being destroyed).
+  bool finish(const std::shared_ptr<Conn>& conn) {
+    if (shut_down()) return false;
+    if (conn->phase != Phase::CLOSING || !std::as_const(derived()).quiescent(*conn)) return true;
+    std::vector<std::uint64_t> keys;
+    {
+      const std::lock_guard lock{conn->mutex};
+      conn->phase = Phase::CLOSED;
+      keys = cancel_all_sends(conn->ledger, conn->send_pool);
+    }
+    m_ending.erase(conn->id);
+    if constexpr (requires { derived().after_closed(conn); }) derived().after_closed(conn);
+    if (!conn->ending_info.reported) return true;
+    if (m_api_depth > 0) {
+      // Caused by an API call on the loop thread: reported after it has returned.
+      std::weak_ptr<Derived> weak = derived().weak_from_this();
+      m_loop->post([weak, conn, keys = std::move(keys)] {
+        auto self = weak.lock();
+        if (self && !self->shut_down()) self->report_end(*conn, keys);
+      });
+      return true;
+    }
+    report_end(*conn, keys);
+    return !shut_down();
+  }
+
+  // ---- destruction ---------------------------------------------------------------------
+
+  // Begins destroying the backend: false if that had begun. From now on no callback runs,
+  // close() abandons, and set-up deadlines expire no more.
+  bool begin_shutdown() noexcept {
+    if (m_shut_down.exchange(true)) return false;
+    if (m_setup) m_setup->close();
+    return true;
+  }
+  [[nodiscard]] bool shut_down() const noexcept {
+    return m_shut_down.load(std::memory_order_acquire);
+  }
+
+  // Everything the backend has (for its shutdown, after begin_shutdown()): listeners, and
+  // connections open, in set-up, or closing and not yet reported. The registry is empty
+  // afterwards; its index is left for the transport (clear_index()).
+  struct Everything {
+    std::vector<std::shared_ptr<Listener>> listeners;
+    std::vector<std::shared_ptr<Conn>> connections;
+  };
+  [[nodiscard]] Everything take_everything() {
+    Everything all;
+    {
+      const auto held = m_registry.lock();
+      auto contents = m_registry.take_all(held);
+      all.listeners = std::move(contents.listeners);
+      all.connections = std::move(contents.connections);
+    }
+    for (auto& [id, conn] : m_ending) all.connections.push_back(std::move(conn));
+    m_ending.clear();
+    return all;
+  }
+
+  void assert_loop_thread() const noexcept { assert(m_loop->in_loop_thread()); }
+
+  const NetworkConfig m_config;
+  const std::shared_ptr<BaseEventLoop> m_loop;
+  const Notifier m_notifier;
+  const ThreadModel m_thread;
+  Registry m_registry;
+
+ private:
+  Derived& derived() noexcept { return static_cast<Derived&>(*this); }
+  const Derived& derived() const noexcept { return static_cast<const Derived&>(*this); }
+
+  void report_end(const Conn& conn, const std::vector<std::uint64_t>& keys) const {
+    const auto& info = conn.ending_info;
+    m_notifier.connection_ended(conn.remote, info.was_open, conn.active(),
+                                info.cause == CloseCause::LOCAL, keys, info.reason);
+  }
+
+  std::string_view m_name;
+  std::atomic<bool> m_shut_down{false};
+  std::atomic<std::uint64_t> m_next_id{1};
+  std::optional<SetupDeadlines<Conn>> m_setup;  // set in start_engine()
+  // Loop thread only.
+  int m_api_depth{0};                                                 // API calls in progress
+  std::unordered_map<std::uint64_t, std::shared_ptr<Conn>> m_ending;  // CLOSING, by id
+};
+
+}  // namespace netio3::detail
