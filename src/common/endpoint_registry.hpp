@@ -11,7 +11,10 @@
 // Beside the tables, an index by id: the transports' completions and events name a
 // connection or listener by the id they were given when posted.
 //
-// The mutex is off for ThreadSafetyModel::UNSAFE (every call comes from the loop thread).
+// The index has a mutex of its own, taken last and alone: transports look connections up by
+// id from inside their progress calls (UCX: under its worker's lock), while the tables' lock
+// is held across the creation of a connection. Both are off for ThreadSafetyModel::UNSAFE
+// (every call comes from the loop thread).
 
 #include <concepts>
 #include <cstdint>
@@ -51,42 +54,48 @@ class EndpointRegistry {
   using Lock = std::unique_lock<OptionalMutex>;
 
   EndpointRegistry(std::string_view backend, bool thread_safe)
-      : m_backend{backend}, m_mutex{thread_safe} {}
+      : m_backend{backend}, m_mutex{thread_safe}, m_index_mutex{thread_safe} {}
 
   [[nodiscard]] Lock lock() { return Lock{m_mutex}; }
 
   // ---- the index by id (connections from creation until forget(), listeners until
   // forget_listener()) ------------------------------------------------------------------
 
-  void index(const Lock& /*held*/, const std::shared_ptr<Conn>& conn) {
-    m_by_id.emplace(conn->id, conn);
-  }
+  void index(const Lock& /*held*/, const std::shared_ptr<Conn>& conn) { index(conn); }
   void index(const Lock& /*held*/, const std::shared_ptr<Listener>& listener) {
+    const std::lock_guard lock{m_index_mutex};
     m_listeners_by_id.emplace(listener->id, listener);
   }
-  void index(const std::shared_ptr<Conn>& conn) { index(lock(), conn); }
-  void forget(std::uint64_t id) { forget_locked(lock(), id); }
-  void forget_locked(const Lock& /*held*/, std::uint64_t id) { m_by_id.erase(id); }
+  void index(const std::shared_ptr<Conn>& conn) {
+    const std::lock_guard lock{m_index_mutex};
+    m_by_id.emplace(conn->id, conn);
+  }
+  void forget(std::uint64_t id) {
+    const std::lock_guard lock{m_index_mutex};
+    m_by_id.erase(id);
+  }
+  void forget_locked(const Lock& /*held*/, std::uint64_t id) { forget(id); }
   void forget_listener(std::uint64_t id) {
-    const Lock held = lock();
+    const std::lock_guard lock{m_index_mutex};
     m_listeners_by_id.erase(id);
   }
   [[nodiscard]] std::shared_ptr<Conn> by_id(std::uint64_t id) {
-    const Lock held = lock();
+    const std::lock_guard lock{m_index_mutex};
     const auto it = m_by_id.find(id);
     return it == m_by_id.end() ? nullptr : it->second.lock();
   }
-  [[nodiscard]] bool id_in_use(const Lock& /*held*/, std::uint64_t id) const {
+  [[nodiscard]] bool id_in_use(const Lock& /*held*/, std::uint64_t id) {
+    const std::lock_guard lock{m_index_mutex};
     return m_by_id.contains(id);
   }
   [[nodiscard]] std::shared_ptr<Listener> listener_by_id(std::uint64_t id) {
-    const Lock held = lock();
+    const std::lock_guard lock{m_index_mutex};
     const auto it = m_listeners_by_id.find(id);
     return it == m_listeners_by_id.end() ? nullptr : it->second.lock();
   }
   // Every indexed connection still alive (backend shutdown).
   [[nodiscard]] std::vector<std::shared_ptr<Conn>> indexed() {
-    const Lock held = lock();
+    const std::lock_guard lock{m_index_mutex};
     std::vector<std::shared_ptr<Conn>> all;
     for (const auto& [id, weak] : m_by_id) {
       if (auto conn = weak.lock()) all.push_back(std::move(conn));
@@ -226,7 +235,7 @@ class EndpointRegistry {
 
   // Empties the index (backend shutdown, after take_all).
   void clear_index() {
-    const Lock held = lock();
+    const std::lock_guard lock{m_index_mutex};
     m_by_id.clear();
     m_listeners_by_id.clear();
   }
@@ -237,6 +246,7 @@ class EndpointRegistry {
   std::unordered_map<EndPointAddress, std::shared_ptr<Listener>> m_listeners;
   std::unordered_map<EndPointAddress, std::shared_ptr<Conn>> m_connections;
   std::vector<std::shared_ptr<Conn>> m_closing;
+  OptionalMutex m_index_mutex;
   std::unordered_map<std::uint64_t, std::weak_ptr<Conn>> m_by_id;
   std::unordered_map<std::uint64_t, std::weak_ptr<Listener>> m_listeners_by_id;
 };
