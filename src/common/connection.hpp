@@ -69,7 +69,7 @@ struct ConnectionBase {
     CloseCause cause{CloseCause::LOCAL};
     std::string reason;
     bool was_open{false};
-    bool reported{true};  // false: replaced under its address, the application never hears
+    bool report{true};  // false: replaced under its address, the application never hears
   } ending_info;
 };
 

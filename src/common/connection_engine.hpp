@@ -71,7 +71,7 @@ namespace netio3::detail {
 // and may implement after_closed(conn): the connection is CLOSED (its end is about to be
 // reported): free what the transport kept for it. No callback.
 template <typename T, typename Conn, typename L>
-concept TransportOf = requires(T& t, const std::shared_ptr<Conn>& conn, Conn& c, L& listener,
+concept TransportOf = requires(T& t, const std::shared_ptr<Conn>& conn, Conn& c,
                                NetworkBuffer* buffer) {
   { t.close_transport(conn) } -> std::same_as<void>;
   { std::as_const(t).quiescent(std::as_const(c)) } -> std::same_as<bool>;
@@ -226,6 +226,8 @@ class ConnectionEngine {
 
   // Called from Derived::start() (needs the shared owner).
   void start_engine() {
+    static_assert(TransportOf<Derived, Conn, Listener>,
+                  "the backend must implement the transport's half (TransportOf), publicly");
     std::weak_ptr<Derived> weak = derived().weak_from_this();
     m_setup.emplace(
         *m_loop, m_name, m_config.limits.connect_timeout,
@@ -315,7 +317,7 @@ class ConnectionEngine {
     conn->ending_info = typename Conn::Ending{.cause = cause,
                                               .reason = std::string{reason},
                                               .was_open = previous == Phase::OPEN,
-                                              .reported = report};
+                                              .report = report};
     {
       const auto held = m_registry.lock();
       m_registry.remove(held, conn);
@@ -357,7 +359,7 @@ class ConnectionEngine {
     }
     m_ending.erase(conn->id);
     if constexpr (requires { derived().after_closed(conn); }) derived().after_closed(conn);
-    if (!conn->ending_info.reported) return true;
+    if (!conn->ending_info.report) return true;
     if (m_api_depth > 0) {
       // Caused by an API call on the loop thread: reported after it has returned.
       std::weak_ptr<Derived> weak = derived().weak_from_this();
@@ -416,10 +418,21 @@ class ConnectionEngine {
   Derived& derived() noexcept { return static_cast<Derived&>(*this); }
   const Derived& derived() const noexcept { return static_cast<const Derived&>(*this); }
 
+  // The one callback that applies (docs/semantics.md):
+  //  - it had been open: on_connection_closed_cb with the cancelled keys;
+  //  - an active endpoint never open: on_connection_closed_cb (no keys) when the application
+  //    closed it, on_connection_refused_cb otherwise;
+  //  - an accepted connection never open: no callback, a debug line.
   void report_end(const Conn& conn, const std::vector<std::uint64_t>& keys) const {
     const auto& info = conn.ending_info;
-    m_notifier.connection_ended(conn.remote, info.was_open, conn.active(),
-                                info.cause == CloseCause::LOCAL, keys, info.reason);
+    if (info.was_open || (conn.active() && info.cause == CloseCause::LOCAL)) {
+      m_notifier.closed(conn.remote, keys, info.reason);
+    } else if (conn.active()) {
+      m_notifier.refused(conn.remote, info.reason);
+    } else {
+      NETIO3_DEBUG("{}: dropped incoming connection from {} before it was established: {}", m_name,
+                   conn.remote, info.reason);
+    }
   }
 
   std::string_view m_name;

@@ -61,8 +61,7 @@ class EndpointRegistry {
   // ---- the index by id (connections from creation until forget(), listeners until
   // forget_listener()) ------------------------------------------------------------------
 
-  void index(const Lock& /*held*/, const std::shared_ptr<Conn>& conn) { index(conn); }
-  void index(const Lock& /*held*/, const std::shared_ptr<Listener>& listener) {
+  void index(const std::shared_ptr<Listener>& listener) {
     const std::lock_guard lock{m_index_mutex};
     m_listeners_by_id.emplace(listener->id, listener);
   }
@@ -74,7 +73,6 @@ class EndpointRegistry {
     const std::lock_guard lock{m_index_mutex};
     m_by_id.erase(id);
   }
-  void forget_locked(const Lock& /*held*/, std::uint64_t id) { forget(id); }
   void forget_listener(std::uint64_t id) {
     const std::lock_guard lock{m_index_mutex};
     m_listeners_by_id.erase(id);

@@ -59,17 +59,4 @@ void Notifier::send_completed(const EndPointAddress& remote, std::uint64_t key) 
   guarded(stopped(), m_name, "on_send_completed_cb", m_on_send_completed, remote, key);
 }
 
-void Notifier::connection_ended(const EndPointAddress& remote, bool was_established, bool active,
-                                bool closed_by_application, const std::vector<std::uint64_t>& keys,
-                                std::string_view reason) const {
-  if (was_established || (active && closed_by_application)) {
-    closed(remote, keys, reason);
-  } else if (active) {
-    refused(remote, reason);
-  } else {
-    NETIO3_DEBUG("{}: dropped incoming connection from {} before it was established: {}", m_name,
-                 remote, reason);
-  }
-}
-
 }  // namespace netio3::detail

@@ -25,15 +25,6 @@ class Notifier {
   void refused(const EndPointAddress& remote, std::string_view reason) const;
   void send_completed(const EndPointAddress& remote, std::uint64_t key) const;
 
-  // Reports the end of a connection with the one callback that applies (docs/semantics.md):
-  //  - it had been established: on_connection_closed_cb with the cancelled keys;
-  //  - an active endpoint never established: on_connection_closed_cb (no keys) when the
-  //    application closed it, on_connection_refused_cb otherwise;
-  //  - an accepted connection never established: no callback, a debug log line.
-  void connection_ended(const EndPointAddress& remote, bool was_established, bool active,
-                        bool closed_by_application, const std::vector<std::uint64_t>& keys,
-                        std::string_view reason) const;
-
   [[nodiscard]] std::string_view name() const noexcept { return m_name; }
 
   // Destruction of the backend has begun (BackendFacade's destructor, on any thread): from

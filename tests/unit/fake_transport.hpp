@@ -50,7 +50,6 @@ class FakeTransport : public detail::ConnectionEngine<FakeTransport, FakeConnect
   static constexpr BackendType TYPE = BackendType::ASYNCMSG;
   static constexpr std::size_t WINDOW = 8;
   using Engine = detail::ConnectionEngine<FakeTransport, FakeConnection, FakeListener>;
-  friend Engine;
 
   FakeTransport(NetworkConfig config, std::shared_ptr<BaseEventLoop> loop)
       : Engine{"fake", config, std::move(loop), config.thread_safety} {}
@@ -91,7 +90,7 @@ class FakeTransport : public detail::ConnectionEngine<FakeTransport, FakeConnect
     }
     const auto held = m_registry.lock();
     m_registry.add_listener(held, actual, listener);
-    m_registry.index(held, listener);
+    m_registry.index(listener);
     return actual;
   }
 
@@ -104,7 +103,7 @@ class FakeTransport : public detail::ConnectionEngine<FakeTransport, FakeConnect
       const auto held = m_registry.lock();
       m_registry.check_connection_free(held, address);
       m_registry.add_connection(held, conn);
-      m_registry.index(held, conn);
+      m_registry.index(conn);
     }
     remember(conn);
     track_setup(conn);
@@ -196,7 +195,7 @@ class FakeTransport : public detail::ConnectionEngine<FakeTransport, FakeConnect
                                               m_thread.safe(), detail::Phase::HANDSHAKE);
       detail::attach_send_pool(*conn, nullptr, 0, m_thread.safe());
       m_registry.add_connection(held, conn);
-      m_registry.index(held, conn);
+      m_registry.index(conn);
     }
     remember(conn);
     track_setup(conn);

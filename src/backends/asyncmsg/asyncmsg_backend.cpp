@@ -155,7 +155,6 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
  public:
   static constexpr BackendType TYPE = BackendType::ASYNCMSG;
   using Engine = detail::ConnectionEngine<Backend, Connection, Listener>;
-  friend Engine;
 
   Backend(NetworkConfig config, std::shared_ptr<BaseEventLoop> loop)
       : Engine{NAME, std::move(config), std::move(loop), ThreadSafetyModel::SAFE},
@@ -332,7 +331,7 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
   }
 
   // ---- the transport (detail::TransportOf) ---------------------------------------------
-
+ public:
   NetioStatus post_buffer(const std::shared_ptr<Connection>& conn, NetworkBuffer* buffer) {
     const std::size_t size = buffer->size();
     std::uint8_t* frame = detail::BufferPool::headroom_of(buffer, FRAME_HEADER_SIZE);
@@ -366,6 +365,19 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
   // The kernel owns what was written: nothing to wait for.
   [[nodiscard]] static bool quiescent(const Connection& /*conn*/) { return true; }
 
+  // Drops a connection without callbacks (backend shutdown).
+  static void abandon(Connection& conn) noexcept {
+    {
+      const std::lock_guard lock{conn.mutex};
+      conn.fd.close();
+      conn.phase = Phase::CLOSED;
+      conn.ledger.cancel_all();
+      conn.queue.clear();
+    }
+    drain_and_close(conn.socket);
+  }
+
+ private:
   // ---- helpers shared by the API ----------------------------------------------------
 
   // Accepts one message into the connection's queue (or says why not).
@@ -429,18 +441,6 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
     listener.fd.close();
     boost::system::error_code ec;
     listener.acceptor.close(ec);
-  }
-
-  // Drops a connection without callbacks (backend shutdown).
-  static void abandon(Connection& conn) noexcept {
-    {
-      const std::lock_guard lock{conn.mutex};
-      conn.fd.close();
-      conn.phase = Phase::CLOSED;
-      conn.ledger.cancel_all();
-      conn.queue.clear();
-    }
-    drain_and_close(conn.socket);
   }
 
   // ---- loop thread -------------------------------------------------------------------

@@ -152,7 +152,6 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
  public:
   static constexpr BackendType TYPE = BackendType::LIBFABRIC;
   using Engine = detail::ConnectionEngine<Backend, Connection, Listener>;
-  friend Engine;
 
   Backend(NetworkConfig config, std::shared_ptr<BaseEventLoop> loop)
       : Engine{NAME, config, std::move(loop), config.thread_safety},
@@ -254,7 +253,7 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
     }
     const EndPointAddress actual = listener->address;
     m_registry.check_listen_free(held, actual);
-    m_registry.index(held, listener);
+    m_registry.index(listener);
     m_registry.add_listener(held, actual, std::move(listener));
     NETIO3_DEBUG("libfabric: listening on {} (provider {})", actual, domain.provider());
     return actual;
@@ -283,7 +282,7 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
       throw FailedOpenActiveEndpoint(
           fmt::format("libfabric: cannot connect to {}: {}", address, e.what()));
     }
-    m_registry.index(held, conn);
+    m_registry.index(conn);
     m_registry.add_connection(held, conn);
     track_setup(conn);
     const auto data = encode_cm_data(CmData{receive_size(*conn)});
@@ -1066,7 +1065,7 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
         reject(e.what());
         return;
       }
-      m_registry.index(held, conn);
+      m_registry.index(conn);
       m_registry.add_connection(held, conn);
     }
     track_setup(conn);
@@ -1094,8 +1093,8 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
     if (conn->setting_up()) (void)established(conn, capabilities(*conn));
   }
 
-  // ---- the transport (detail::TransportOf) -----------------------------------------------
-
+  // ---- the transport (detail::TransportOf; post_buffer is with the API) -------------------
+ public:
   // Closing: the endpoint goes (after a shutdown message to the peer of an open connection
   // that we close); the connection is kept until the provider is done with it (retire).
   void close_transport(const std::shared_ptr<Connection>& conn) {
@@ -1126,6 +1125,7 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
     conn.ep.reset();
   }
 
+ private:
   void release_listener(Listener& listener) {
     {
       const std::lock_guard lock{m_pep_mutex};

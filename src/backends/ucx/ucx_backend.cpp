@@ -257,7 +257,6 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
  public:
   static constexpr BackendType TYPE = BackendType::UCX;
   using Engine = detail::ConnectionEngine<Backend, Connection, Listener>;
-  friend Engine;
 
   Backend(NetworkConfig config, std::shared_ptr<BaseEventLoop> loop)
       : Engine{NAME, config, std::move(loop), config.thread_safety},
@@ -539,17 +538,17 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
         error = started.error;
         // Findable by its token before the loop can see the socket: the peer's first message
         // may arrive before this call returns.
-        m_registry.index(held, conn);
+        m_registry.index(conn);
         const std::lock_guard lock{conn->mutex};
         conn->control = std::move(started.socket);
         if (error == 0) {
           conn->control_fd = m_loop->add_fd(conn->control.get(), EPOLLOUT, control_callback(conn));
         }
       } catch (const InvalidConnectionParameters&) {
-        if (conn) m_registry.forget_locked(held, conn->id);
+        if (conn) m_registry.forget(conn->id);
         throw;
       } catch (const std::runtime_error& e) {
-        if (conn) m_registry.forget_locked(held, conn->id);
+        if (conn) m_registry.forget(conn->id);
         throw fail(e.what());
       }
       m_registry.add_connection(held, conn);
@@ -582,21 +581,6 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
 
  private:
   [[nodiscard]] bool safe() const noexcept { return m_thread.safe(); }
-
-  // ---- the transport (detail::TransportOf) ---------------------------------------------
-
-  NetioStatus post_buffer(const std::shared_ptr<Connection>& conn, NetworkBuffer* buffer) {
-    const iovec iov{buffer->data(), buffer->size()};
-    return send_message(*conn, {}, std::span{&iov, 1}, SendKind::BUFFERED,
-                        detail::PendingSend{buffer->id(), buffer});
-  }
-
-  void close_listener(const std::shared_ptr<Listener>& listener) noexcept {
-    close_listener_socket(*listener);
-  }
-
-  // The backend's shutdown winds every connection down itself.
-  static void abandon(Connection& /*conn*/) noexcept {}
 
   // ---- the worker ----------------------------------------------------------------------
 
@@ -831,14 +815,14 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
       try {
         conn = make_connection(held, remote, listener->params, listener->id, Phase::HANDSHAKE,
                                listener->shared_recv ? listener->shared_recv : m_global_recv);
-        m_registry.index(held, conn);
+        m_registry.index(conn);
         const std::lock_guard lock{conn->mutex};
         conn->control = std::move(socket);
         conn->control_fd = m_loop->add_fd(conn->control.get(), EPOLLIN, control_callback(conn));
       } catch (const std::exception& e) {
         NETIO3_WARN("ucx: refusing a connection on {} from {}: {}", listener->address, remote,
                     e.what());
-        if (conn) m_registry.forget_locked(held, conn->id);
+        if (conn) m_registry.forget(conn->id);
         return;
       }
       m_registry.add_connection(held, conn);
@@ -1876,6 +1860,20 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
   //     send that completed at once was reported): quiescent(); the connection is freed once
   //     no rendezvous receive is in flight on it (release_if_idle).
 
+ public:
+  NetioStatus post_buffer(const std::shared_ptr<Connection>& conn, NetworkBuffer* buffer) {
+    const iovec iov{buffer->data(), buffer->size()};
+    return send_message(*conn, {}, std::span{&iov, 1}, SendKind::BUFFERED,
+                        detail::PendingSend{buffer->id(), buffer});
+  }
+
+  void close_listener(const std::shared_ptr<Listener>& listener) noexcept {
+    close_listener_socket(*listener);
+  }
+
+  // The backend's shutdown winds every connection down itself.
+  static void abandon(Connection& /*conn*/) noexcept {}
+
   void close_transport(const std::shared_ptr<Connection>& conn) {
     m_closing.emplace(conn->id, conn);  // kept until UCX is done with it
     const auto& ending = conn->ending_info;
@@ -1917,6 +1915,9 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
     return (conn.requests == 0 || conn.ep_gone) && conn.completions_queued == 0;
   }
 
+  void after_closed(const std::shared_ptr<Connection>& conn) { release_if_idle(conn); }
+
+ private:
   // Messages sent on the connection so far (the count a CLOSE announces).
   static std::uint64_t sent(const Connection& conn) {
     const std::lock_guard lock{conn.mutex};
@@ -1985,8 +1986,6 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
     }
     release_endpoint(*conn);
   }
-
-  void after_closed(const std::shared_ptr<Connection>& conn) { release_if_idle(conn); }
 
   // Frees a CLOSED connection once UCX holds no request of it (its user data is one of
   // conn->ops) and no receive is in flight on it.
