@@ -1,0 +1,340 @@
+// The asyncmsg backend's types and its class (see asyncmsg_backend.cpp for how it works).
+// Its definitions are split: asyncmsg_backend.cpp (lifecycle, API, the loop thread's socket
+// work), receive_memory.cpp (limits.max_receive_memory: admission, pausing and resuming reads).
+
+#pragma once
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <cassert>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <deque>
+#include <list>
+#include <mutex>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <optional>
+#include <sys/epoll.h>
+#include <sys/socket.h>
+#include <tuple>
+#include <unordered_map>
+#include <utility>  // before Asio: GCC 12 + Boost 1.74 need std::exchange declared first
+#include <vector>
+
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/ip/tcp.hpp>
+
+#include "backends/asyncmsg/asyncmsg_backend.hpp"
+#include "backends/asyncmsg/send_queue.hpp"
+#include "backends/asyncmsg/wire.hpp"
+#include "common/backend_facade.hpp"
+#include "common/buffer_pool.hpp"
+#include "common/connection.hpp"
+#include "common/connection_engine.hpp"
+#include "common/endpoint_registry.hpp"
+#include "common/endpoint_rules.hpp"
+#include "common/log.hpp"
+#include "common/notifier.hpp"
+#include "common/send_ledger.hpp"
+#include "common/setup_deadlines.hpp"
+#include "common/tcp.hpp"
+
+namespace netio3::asyncmsg {
+
+namespace asio = boost::asio;
+using tcp = asio::ip::tcp;
+using Clock = std::chrono::steady_clock;
+using namespace std::chrono_literals;
+
+constexpr std::string_view NAME = "asyncmsg";
+// One receive buffer for the whole backend: the loop thread reads one socket at a time,
+// and messages that lie wholly inside a read are handed to on_data_cb from here.
+constexpr std::size_t SCRATCH_SIZE = std::size_t{1} << 20U;
+constexpr std::size_t MAX_IOV = 256;
+constexpr std::size_t MAX_WRITE_BYTES = std::size_t{16} << 20U;
+// Per readiness event, so that one busy connection cannot starve the others.
+constexpr int READS_PER_EVENT = 8;
+constexpr int WRITES_PER_FLUSH = 8;
+constexpr int ACCEPTS_PER_EVENT = 64;
+// After a local close the socket sends FIN and keeps reading (and discarding) until the
+// peer closes too, so that unread input cannot turn the close into a RST that would
+// destroy data still queued in our kernel send buffer.
+constexpr auto LINGER_TIMEOUT = 2s;
+// Staging chunks kept for reuse by the backend's connections (8 MiB).
+constexpr std::size_t CACHED_CHUNKS = 32;
+
+inline std::string errno_text(int err) {
+  return std::system_category().message(err);
+}
+
+struct Listener {
+  Listener(std::uint64_t id_, EndPointAddress address_, const ConnectionParameters& params_,
+           std::shared_ptr<asio::io_context> io_)
+      : id{id_}, address{std::move(address_)}, params{params_}, io{std::move(io_)}, acceptor{*io} {}
+
+  const std::uint64_t id;
+  EndPointAddress address;  // the requested one until the OS picked the port
+  const ConnectionParameters params;
+  std::shared_ptr<asio::io_context> io;  // outlives the acceptor
+  std::mutex mutex;                      // accept (loop) vs close (any thread)
+  tcp::acceptor acceptor;
+  FdHandle fd;  // guarded by `mutex`
+  bool closed{false};
+  EventTimerHandle resume;                     // guarded by `mutex`: ends an accept pause
+  std::optional<detail::AcceptPauses> pauses;  // loop thread only
+};
+
+using detail::CloseCause;
+using detail::Phase;
+
+struct Connection : detail::ConnectionBase {
+  Connection(std::uint64_t id_, std::shared_ptr<asio::io_context> io_,
+             std::shared_ptr<ChunkCache> chunks, EndPointAddress remote_,
+             const ConnectionParameters& params_, std::uint64_t listener_id_, Phase initial,
+             std::size_t max_message_size)
+      : ConnectionBase{id_, std::move(remote_), params_, listener_id_, true, initial},
+        io{std::move(io_)},
+        socket{*io},
+        decoder{max_message_size},
+        queue{std::move(chunks)} {}
+
+  std::shared_ptr<asio::io_context> io;
+  tcp::socket socket;
+  FdHandle fd;  // assigned and used under `mutex` (the loop may use it before add_fd returns)
+
+  // Loop thread only.
+  FrameDecoder decoder;
+  bool epollout{false};
+  bool receive_paused{false};  // waiting for receive memory: not reading
+  bool large_messages{false};  // the last message was read directly: so will the next be
+  std::size_t reserved{0};     // receive memory admitted for the message being assembled
+
+  // Under `mutex`.
+  SendQueue queue;
+  bool flush_pending{false};
+  std::size_t max_send_message{0};  // min(own limit, peer's announced limit)
+};
+
+// Reads whatever is pending (so close() does not turn into a RST) and closes.
+inline void drain_and_close(tcp::socket& socket) noexcept {
+  if (!socket.is_open()) return;
+  std::array<std::uint8_t, 4096> sink{};
+  for (int i = 0; i < 16; ++i) {
+    if (::recv(socket.native_handle(), sink.data(), sink.size(), MSG_DONTWAIT) <= 0) break;
+  }
+  boost::system::error_code ec;
+  socket.close(ec);
+}
+
+// Always thread-safe: its sockets are used on the loop thread only, and other threads only
+// queue sends under a connection's lock.
+class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
+                public std::enable_shared_from_this<Backend> {
+ public:
+  static constexpr BackendType TYPE = BackendType::ASYNCMSG;
+  using Engine = detail::ConnectionEngine<Backend, Connection, Listener>;
+
+  Backend(NetworkConfig config, std::shared_ptr<BaseEventLoop> loop)
+      : Engine{NAME, std::move(config), std::move(loop), ThreadSafetyModel::SAFE},
+        m_io{std::make_shared<asio::io_context>(1)},
+        m_chunks{std::make_shared<ChunkCache>(CACHED_CHUNKS)},
+        m_max_message{std::min(m_config.limits.max_message_size, WIRE_MAX_MESSAGE_SIZE)} {
+    const auto& shared_tx = m_config.shared_send_buffers;
+    if (shared_tx.use_shared_send_buffers) {
+      m_shared_send_pool = std::make_unique<detail::BufferPool>(
+          shared_tx.num_buf, shared_tx.buf_size, FRAME_HEADER_SIZE, true);
+    }
+    if (m_config.thread_safety == ThreadSafetyModel::UNSAFE) {
+      NETIO3_DEBUG("asyncmsg: ThreadSafetyModel::UNSAFE requested; asyncmsg is always thread-safe");
+    }
+  }
+
+  Backend(const Backend&) = delete;
+  Backend& operator=(const Backend&) = delete;
+  Backend(Backend&&) = delete;
+  Backend& operator=(Backend&&) = delete;
+  ~Backend() = default;
+
+  // Registrations that need a weak self-reference; called right after construction.
+  void start();
+
+  // Closes everything without callbacks. Runs on the loop thread, or inline when the
+  // loop is not running.
+  void shutdown() noexcept;
+
+  // ---- API (any thread) ------------------------------------------------------------
+
+  EndPointAddress open_listen_endpoint(const EndPointAddress& address,
+                                       const ConnectionParameters& params);
+
+  void open_active_endpoint(const EndPointAddress& address, const ConnectionParameters& params);
+
+  NetioStatus send_data(const EndPointAddress& address, std::span<const iovec> iov,
+                        std::span<const std::uint8_t> header, std::uint64_t key);
+
+  NetioStatus send_data_copy(const EndPointAddress& address, std::span<const iovec> iov,
+                             std::span<const std::uint8_t> header, std::uint64_t key);
+
+ private:
+  // send_data (payload referenced in place, Payload::REFERENCE) and send_data_copy
+  // (payload copied, Payload::COPY). Frame header and header_data are always copied;
+  // consecutive copies land back to back in staging, so they leave as one iovec.
+  enum class Payload { REFERENCE, COPY };
+  NetioStatus send_message(const EndPointAddress& address, std::span<const iovec> iov,
+                           std::span<const std::uint8_t> header, std::uint64_t key,
+                           Payload payload);
+
+  // ---- the transport (detail::TransportOf) ---------------------------------------------
+ public:
+  NetioStatus post_buffer(const std::shared_ptr<Connection>& conn, NetworkBuffer* buffer);
+
+  void close_listener(const std::shared_ptr<Listener>& listener) { close_acceptor(*listener); }
+
+  // Closing: nothing more is read or written; an open connection that we close sends FIN
+  // and lingers (reading what still comes), anything else is closed at once.
+  void close_transport(const std::shared_ptr<Connection>& conn);
+
+  // The kernel owns what was written: nothing to wait for.
+  [[nodiscard]] static bool quiescent(const Connection& /*conn*/) { return true; }
+
+  // Drops a connection without callbacks (backend shutdown).
+  static void abandon(Connection& conn) noexcept;
+
+ private:
+  // ---- helpers shared by the API ----------------------------------------------------
+
+  // Accepts one message into the connection's queue (or says why not).
+  template <typename Fill>
+  NetioStatus enqueue(const std::shared_ptr<Connection>& conn, std::size_t size,
+                      detail::PendingSend pending, Fill&& fill) {
+    bool need_flush = false;
+    {
+      const std::lock_guard lock{conn->mutex};
+      if (conn->close_requested.load(std::memory_order_relaxed) || conn->ending()) {
+        return NetioStatus::FAILED;
+      }
+      if (conn->phase != Phase::OPEN) return NetioStatus::NO_RESOURCES;  // still connecting
+      if (size > conn->max_send_message) {
+        NETIO3_WARN("asyncmsg: send to {}: message of {} bytes exceeds the limit of {} bytes",
+                    conn->remote, size, conn->max_send_message);
+        return NetioStatus::FAILED;
+      }
+      if (conn->queue.unsent_bytes() >= m_config.limits.max_unsent_bytes) {
+        return NetioStatus::NO_RESOURCES;
+      }
+      fill(conn->queue);
+      conn->queue.mark(conn->ledger.add(pending));
+      need_flush = !std::exchange(conn->flush_pending, true);
+    }
+    NETIO3_TRACE("asyncmsg: send to {} key={} size={}", conn->remote, pending.key, size);
+    if (need_flush) request_flush(conn);
+    return NetioStatus::OK;
+  }
+
+  void request_flush(const std::shared_ptr<Connection>& conn);
+
+  void attach_send_pool(Connection& conn) {
+    detail::attach_send_pool(conn, m_shared_send_pool.get(), FRAME_HEADER_SIZE, true);
+  }
+
+  [[nodiscard]] static EndpointCapabilities capabilities(const Connection& conn);
+
+  FdCallback socket_callback(const std::shared_ptr<Connection>& conn) {
+    return fd_callback<&Backend::on_socket_event>(conn);
+  }
+
+  void close_acceptor(Listener& listener) noexcept;
+
+  // ---- loop thread -------------------------------------------------------------------
+
+  // Entry points below run on the loop thread only; debug builds check it.
+  void assert_loop_thread() const noexcept { assert(m_loop->in_loop_thread()); }
+
+  void on_acceptable(const std::shared_ptr<Listener>& listener, std::uint32_t /*events*/);
+
+  void pause_listener(const std::shared_ptr<Listener>& listener, const std::string& why);
+
+  void accept_one(const std::shared_ptr<Listener>& listener, tcp::socket socket,
+                  const tcp::endpoint& peer);
+
+  void on_socket_event(const std::shared_ptr<Connection>& conn, std::uint32_t events);
+
+  void on_connect_done(const std::shared_ptr<Connection>& conn);
+
+  // Starts a non-blocking connect to `remote` on `socket` (detail::connect_tcp: from a source
+  // port of its own, stream options set). Returns the errno of a connect that failed at once,
+  // or 0; throws std::runtime_error with the failing step.
+  [[nodiscard]] int start_connect(tcp::socket& socket, const EndPointAddress& remote) const;
+
+  // The server refused `conn` because it has a connection from its source address and port:
+  // opens it again from a new one (at most SOURCE_PORT_RETRIES times). False when it may not
+  // or could not; the caller then closes it.
+  bool reconnect_from_new_source_port(const std::shared_ptr<Connection>& conn);
+
+  // Another connection has the peer's address and port (docs/semantics.md): this one is
+  // refused with a refusal greeting, which tells a netio3 client to try another source port.
+  void refuse_address_in_use(Connection& conn);
+
+  void send_greeting(const std::shared_ptr<Connection>& conn);
+
+  bool on_greeting(const std::shared_ptr<Connection>& conn, const Greeting& greeting);
+
+  bool on_message(const std::shared_ptr<Connection>& conn, std::span<const std::uint8_t> message);
+
+  void on_readable(const std::shared_ptr<Connection>& conn);
+
+  // Returns true when no connection is waiting to be flushed.
+  bool process_flush_list();
+
+  static void set_epollout(Connection& conn, bool on);
+
+  static void update_events(Connection& conn);
+
+  // ---- receive memory (limits.max_receive_memory) -------------------------------------
+
+  // A message body that does not arrive in one read holds memory until it is complete. It
+  // is admitted only if the backend's total stays within the limit; otherwise its
+  // connection stops reading (TCP pushes back on the sender) until memory is released.
+  // Admitted messages can always complete, so honest peers never wait on each other in a
+  // circle; paused connections resume in the order they paused.
+  bool admit(Connection& conn, std::size_t length);
+
+  void release_receive_memory(Connection& conn);
+
+  void pause_receiving(const std::shared_ptr<Connection>& conn);
+
+  void resume_waiting();
+
+  // Handles a decoder status on an open connection; false if the connection stopped.
+  bool after_decode(const std::shared_ptr<Connection>& conn, FrameDecoder::Status status);
+
+  void flush(const std::shared_ptr<Connection>& conn);
+
+  // Hands the socket to the lingering set: our FIN is sent, what the peer still sends is
+  // read and dropped until it closes too (or LINGER_TIMEOUT).
+  void linger(Connection& conn);
+
+  const std::shared_ptr<asio::io_context> m_io;  // never run: socket services only
+  const std::shared_ptr<ChunkCache> m_chunks;
+  const std::size_t m_max_message;
+  std::unique_ptr<detail::BufferPool> m_shared_send_pool;
+  std::mutex m_flush_mutex;
+  std::vector<std::shared_ptr<Connection>> m_flush_list;
+
+  // Loop thread only.
+  std::vector<std::shared_ptr<Connection>> m_flush_work;
+  std::unique_ptr<std::uint8_t[]> m_scratch;
+  // Receive memory (loop thread only).
+  std::size_t m_receive_reserved{0};
+  std::deque<std::weak_ptr<Connection>> m_receive_waiting;
+  bool m_resume_posted{false};
+  std::optional<detail::LingeringSockets> m_lingering;
+
+  EventSignalHandle m_flush_signal;
+  PrepareHookHandle m_prepare;
+};
+
+}  // namespace netio3::asyncmsg

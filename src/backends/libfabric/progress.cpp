@@ -1,0 +1,487 @@
+// libfabric backend, the loop thread: reading event and completion queues, connection
+// management events, and a connection's close.
+
+#include "backends/libfabric/libfabric_backend_impl.hpp"
+
+namespace netio3::libfabric {
+
+void Backend::on_kick() {
+  m_kick_pending.store(false);
+  drain_all();
+}
+
+const std::vector<Domain*>& Backend::loop_domains() {
+  assert_loop_thread();
+  const std::lock_guard lock{m_domains_mutex};
+  if (m_loop_domains.size() != m_domains.size()) {
+    m_loop_domains.clear();
+    for (const auto& d : m_domains) m_loop_domains.push_back(d.get());
+  }
+  return m_loop_domains;
+}
+
+void Backend::drain_all() {
+  const auto& domains = loop_domains();
+  for (std::size_t i = 0; i < domains.size(); ++i) {
+    Domain* d = domains[i];
+    if (shut_down()) return;
+    drain_eq(*d);
+    if (shut_down()) return;
+    drain_cq(*d);
+  }
+}
+
+bool Backend::may_sleep() {
+  assert_loop_thread();
+  if (shut_down()) return true;
+  const auto& domains = loop_domains();
+  bool sleep = true;
+  if (m_loop->polling()) {
+    // Busy-polling: the loop will not sleep this round; read the queues (which also
+    // drives the provider's progress) instead of arming them.
+    for (std::size_t i = 0; i < domains.size(); ++i) {
+      Domain* d = domains[i];
+      if (drain_eq(*d) > 0) sleep = false;
+      if (shut_down()) return true;
+      if (drain_cq(*d) > 0) sleep = false;
+      if (shut_down()) return true;
+    }
+    return sleep;
+  }
+  for (std::size_t i = 0; i < domains.size(); ++i) {
+    Domain* d = domains[i];
+    std::array<fid*, 2> fids{&d->eq()->fid, &d->cq()->fid};
+    if (fi_trywait(d->fabric(), fids.data(), static_cast<int>(fids.size())) != FI_SUCCESS) {
+      sleep = false;
+      drain_eq(*d);
+      if (shut_down()) return true;
+      drain_cq(*d);
+      if (shut_down()) return true;
+    }
+  }
+  return sleep;
+}
+
+void Backend::on_wait_fd(Domain& domain, std::size_t handled) {
+  if (handled > 0) {
+    domain.spurious_wakeups = 0;
+    return;
+  }
+  if (++domain.spurious_wakeups == SPURIOUS_WAKEUPS_WARN) {
+    NETIO3_WARN(
+        "libfabric: provider '{}' woke the event loop {} times in a row with nothing to "
+        "report: its wait objects cannot be slept on and the loop is busy. Use the tcp "
+        "or verbs provider (FI_PROVIDER)",
+        domain.provider(), SPURIOUS_WAKEUPS_WARN);
+  }
+}
+
+void Backend::refuse_queued_requests(Domain& domain) noexcept {
+  alignas(fi_eq_cm_entry) std::array<std::uint8_t, EQ_ENTRY_SIZE> buffer{};
+  for (int i = 0; i < 100'000; ++i) {
+    std::uint32_t event = 0;
+    const ssize_t rc = fi_eq_read(domain.eq(), &event, buffer.data(), buffer.size(), 0);
+    if (rc == -FI_EAVAIL) {
+      fi_eq_err_entry err{};
+      if (fi_eq_readerr(domain.eq(), &err, 0) < 0) return;
+      continue;
+    }
+    if (rc < 0) return;
+    if (event != FI_CONNREQ) continue;
+    const auto* entry = reinterpret_cast<const fi_eq_cm_entry*>(buffer.data());  // NOLINT
+    const Info info{entry->info};
+    refuse_request(m_registry.listener_by_id(id_of(entry->fid)).get(), info->handle);
+  }
+}
+
+void Backend::refuse_request(const Listener* listener, fid_t handle) noexcept {
+  const std::lock_guard lock{m_pep_mutex};
+  if (listener != nullptr && listener->pep) {
+    fi_reject(listener->pep.get(), handle, nullptr, 0);
+  } else if (handle != nullptr) {
+    fi_close(handle);
+  }
+}
+
+std::size_t Backend::drain_eq(Domain& domain) {
+  assert_loop_thread();
+  std::size_t handled = 0;
+  alignas(fi_eq_cm_entry) std::array<std::uint8_t, EQ_ENTRY_SIZE> buffer{};
+  for (int i = 0; i < DRAIN_ROUNDS * 4 && !shut_down(); ++i) {
+    std::uint32_t event = 0;
+    const ssize_t rc = fi_eq_read(domain.eq(), &event, buffer.data(), buffer.size(), 0);
+    if (rc == -FI_EAGAIN) return handled;
+    ++handled;
+    if (rc == -FI_EAVAIL) {
+      fi_eq_err_entry err{};
+      if (fi_eq_readerr(domain.eq(), &err, 0) < 0) return handled;
+      on_eq_error(domain, err);
+      continue;
+    }
+    if (rc < 0) {
+      NETIO3_ERROR("libfabric: fi_eq_read failed: {}", fi_error(rc));
+      return handled;
+    }
+    const auto* entry = reinterpret_cast<const fi_eq_cm_entry*>(buffer.data());  // NOLINT
+    const std::size_t data_len = static_cast<std::size_t>(rc) > sizeof(fi_eq_cm_entry)
+                                     ? static_cast<std::size_t>(rc) - sizeof(fi_eq_cm_entry)
+                                     : 0;
+    on_cm_event(domain, event, *entry, {entry->data, data_len});
+  }
+  return handled;
+}
+
+std::size_t Backend::drain_cq(Domain& domain) {
+  assert_loop_thread();
+  std::array<fi_cq_data_entry, CQ_BATCH> entries{};
+  std::size_t handled = 0;
+  for (int round = 0; round < DRAIN_ROUNDS; ++round) {
+    if (shut_down()) return handled;
+    const ssize_t n = fi_cq_read(domain.cq(), entries.data(), entries.size());
+    if (n == -FI_EAGAIN) {
+      ++domain.drains;
+      release_retired(domain);
+      return handled;
+    }
+    if (n == -FI_EAVAIL) {
+      ++handled;
+      fi_cq_err_entry err{};
+      if (fi_cq_readerr(domain.cq(), &err, 0) < 0) return handled;
+      on_completion_error(domain, err);
+      continue;
+    }
+    if (n < 0) {
+      NETIO3_ERROR("libfabric: fi_cq_read failed: {}", fi_error(n));
+      return handled;
+    }
+    handled += static_cast<std::size_t>(n);
+    for (ssize_t i = 0; i < n; ++i) {
+      on_completion(entries.at(static_cast<std::size_t>(i)));
+      if (shut_down()) return handled;
+    }
+  }
+  return handled;
+}
+
+void Backend::on_completion(const fi_cq_data_entry& entry) {
+  auto* op = static_cast<Op*>(entry.op_context);
+  if (op == nullptr) return;
+  if (op->kind == Op::Kind::RECV) {
+    on_received(*op, entry.len);
+  } else {
+    on_send_done(*op, true, {});
+  }
+}
+
+void Backend::on_completion_error(Domain& domain, const fi_cq_err_entry& err) {
+  auto* op = static_cast<Op*>(err.op_context);
+  std::array<char, 256> detail_text{};
+  const char* detail = fi_cq_strerror(domain.cq(), err.prov_errno, err.err_data, detail_text.data(),
+                                      detail_text.size());
+  const std::string why =
+      fmt::format("{} ({})", fi_strerror(err.err), detail != nullptr ? detail : "");
+  if (op == nullptr) {
+    NETIO3_WARN("libfabric: completion error without context: {}", why);
+    return;
+  }
+  if (op->kind == Op::Kind::SEND) {
+    on_send_done(*op, false, why);
+    return;
+  }
+  // A failed or cancelled receive.
+  if (err.err == FI_ECANCELED) return;  // its endpoint (or shared context) is closing
+  Connection* conn = op->conn;
+  if (conn == nullptr) {
+    NETIO3_WARN("libfabric: receive into a shared buffer failed: {}", why);
+    repost_shared(*op);
+    return;
+  }
+  if (auto shared = m_registry.by_id(conn->id)) {
+    const auto reason =
+        fmt::format("receive failed: {}{}", why,
+                    err.err == FI_ETRUNC ? " (message larger than the receive buffers)" : "");
+    NETIO3_WARN("libfabric: connection with {}: {}", conn->remote, reason);
+    close(shared, reason, CloseCause::ERROR);
+  }
+}
+
+void Backend::on_received(Op& op, std::size_t len) {
+  Connection* conn = op.conn;
+  const std::span<const std::uint8_t> bytes{op.buffer->data(),
+                                            std::min(len, op.buffer->capacity())};
+  if (conn == nullptr) {
+    m_notifier.data(SHARED_SOURCE, bytes);
+    if (!shut_down()) repost_shared(op);
+    return;
+  }
+  // Closing: the buffer is not posted again.
+  if (!still_open(*conn) || !deliver(*conn, bytes)) return;
+  try {
+    post_receive(op, conn->ep.get());
+  } catch (const std::runtime_error& e) {
+    if (auto shared = m_registry.by_id(conn->id)) close(shared, e.what(), CloseCause::ERROR);
+  }
+}
+
+void Backend::repost_shared(Op& op) {
+  try {
+    post_receive(op, op.recv->srx.get());
+  } catch (const std::runtime_error& e) {
+    NETIO3_ERROR("libfabric: shared receive buffer lost: {}", e.what());
+  }
+}
+
+void Backend::on_send_done(Op& op, bool ok, const std::string& why) {
+  Connection& conn = *op.conn;
+  detail::PendingSend done;
+  bool done_now = false;
+  {
+    const std::lock_guard lock{conn.mutex};
+    conn.unsent_bytes -= std::min<std::uint64_t>(conn.unsent_bytes, op.bytes);
+    conn.free_send_ops.push_back(op.slot);
+    if (ok) done_now = conn.ledger.complete(op.ticket, done);
+  }
+  if (!ok) {
+    // The key is reported with the connection's cancelled keys; the connection is broken.
+    if (!conn.ending()) {
+      if (auto shared = m_registry.by_id(conn.id)) {
+        NETIO3_WARN("libfabric: connection with {}: send failed: {}", conn.remote, why);
+        close(shared, fmt::format("send failed: {}", why), CloseCause::ERROR);
+      }
+    }
+    return;
+  }
+  if (done_now) (void)completed(conn, done);  // else cancelled by a close meanwhile
+}
+
+void Backend::on_cm_event(Domain& domain, std::uint32_t event, const fi_eq_cm_entry& entry,
+                          std::span<const std::uint8_t> data) {
+  switch (event) {
+    case FI_CONNREQ:
+      on_connection_request(domain, entry, data);
+      break;
+    case FI_CONNECTED:
+      if (auto conn = m_registry.by_id(id_of(entry.fid))) on_connected(conn, data);
+      break;
+    case FI_SHUTDOWN:
+      if (auto conn = m_registry.by_id(id_of(entry.fid))) {
+        close(conn, "peer closed the connection", CloseCause::PEER);
+      }
+      break;
+    default:
+      NETIO3_DEBUG("libfabric: ignoring event queue event {}", event);
+      break;
+  }
+}
+
+void Backend::on_eq_error(Domain& domain, const fi_eq_err_entry& err) {
+  std::array<char, 256> detail_text{};
+  const char* detail = fi_eq_strerror(domain.eq(), err.prov_errno, err.err_data, detail_text.data(),
+                                      detail_text.size());
+  const std::string why = fmt::format("{}{}{}", fi_strerror(err.err), detail != nullptr ? ": " : "",
+                                      detail != nullptr ? detail : "");
+  if (auto conn = m_registry.by_id(id_of(err.fid))) {
+    if (err.err == FI_ECONNREFUSED && refused_address_in_use(err) &&
+        conn->phase == Phase::CONNECTING && reconnect_from_new_source_port(conn)) {
+      return;
+    }
+    close(conn, why, CloseCause::ERROR);
+    return;
+  }
+  NETIO3_DEBUG("libfabric: event queue error for no known endpoint: {}", why);
+}
+
+bool Backend::refused_address_in_use(const fi_eq_err_entry& err) {
+  if (err.err_data == nullptr || err.err_data_size < CM_DATA_SIZE) return false;
+  std::string ignored;
+  const auto data =
+      decode_cm_data({static_cast<const std::uint8_t*>(err.err_data), err.err_data_size}, ignored);
+  return data && (data->flags & CM_REFUSED_ADDRESS_IN_USE) != 0;
+}
+
+bool Backend::reconnect_from_new_source_port(const std::shared_ptr<Connection>& old) {
+  if (!detail::retry_from_new_source_port(*old, NAME)) return false;
+  const auto fail = [](const std::string& why) { return std::runtime_error(why); };
+  std::shared_ptr<Connection> conn;
+  Info info;
+  try {
+    info = fabric_info(old->remote, false, fail);
+    Domain& domain = open_domain(*info, fail);
+    conn = make_connection(old->remote, old->params, 0, domain, Phase::CONNECTING,
+                           global_recv(domain));
+    const detail::Socket reservation = reserve_source_port(info.get());
+    open_endpoint(*conn, info.get());
+  } catch (const std::exception& e) {
+    NETIO3_WARN("libfabric: connecting again to {}: {}", old->remote, e.what());
+    if (conn) retire_unregistered(conn);
+    return false;
+  }
+  conn->source_port_retries = old->source_port_retries;
+  // Buffers the application took from the old endpoint's own pool stay valid: the new
+  // endpoint takes the pool over, with its registration.
+  if (conn->domain == old->domain) {
+    const std::lock_guard old_lock{old->mutex};
+    const std::lock_guard lock{conn->mutex};
+    std::swap(old->own_send_pool, conn->own_send_pool);
+    std::swap(old->send_mr, conn->send_mr);
+    std::swap(old->send_desc, conn->send_desc);
+    if (conn->own_send_pool) conn->send_pool = conn->own_send_pool.get();
+    if (old->own_send_pool) old->send_pool = old->own_send_pool.get();
+  }
+  m_registry.index(conn);
+  bool replaced = false;
+  {
+    const auto held = m_registry.lock();
+    replaced = m_registry.replace_connection(held, old, conn);
+  }
+  if (!replaced) {  // closed by the application meanwhile: that close reports it
+    m_registry.forget(conn->id);
+    retire_unregistered(conn);
+    return false;
+  }
+  track_setup(conn);
+  close(old, "superseded", CloseCause::ERROR, false);
+  const auto data = encode_cm_data(CmData{receive_size(*conn)});
+  const int rc = fi_connect(conn->ep.get(), info->dest_addr, data.data(), data.size());
+  if (rc != 0) {
+    // Reported from the loop, after the event being handled.
+    close_later(conn, fmt::format("fi_connect failed: {}", fi_error(rc)), CloseCause::ERROR);
+  }
+  return true;
+}
+
+void Backend::retire(const std::shared_ptr<Connection>& conn) {
+  conn->ep.reset();
+  m_retired.push_back(Retired{conn->domain, conn->domain->drains, conn});
+}
+
+void Backend::retire_unregistered(const std::shared_ptr<Connection>& conn) {
+  {
+    const std::lock_guard lock{conn->mutex};
+    conn->phase = Phase::CLOSED;
+  }
+  retire(conn);
+}
+
+void Backend::on_connection_request(Domain& domain, const fi_eq_cm_entry& entry,
+                                    std::span<const std::uint8_t> data) {
+  Info info{entry.info};  // ours to free
+  const auto listener = m_registry.listener_by_id(id_of(entry.fid));
+  // A request for a closed listener is refused at once (the peer does not wait for its
+  // set-up to time out, and the provider frees the request's socket).
+  const auto refuse_closed = [&] {
+    refuse_request(listener.get(), info->handle);
+    NETIO3_DEBUG("libfabric: refused a connection request on a closed listen endpoint");
+  };
+  if (!listener || listener->closed.load()) {
+    refuse_closed();
+    return;
+  }
+  const auto reject = [&](std::string_view why, std::uint16_t flags = 0) {
+    NETIO3_WARN("libfabric: refusing a connection on {}: {}", listener->address, why);
+    const auto refusal = encode_cm_data(CmData{.recv_buf_size = 0, .flags = flags});
+    fi_reject(listener->pep.get(), info->handle, refusal.data(), refusal.size());
+  };
+  std::string error;
+  const auto peer = decode_cm_data(data, error);
+  if (!peer) {
+    reject(error);
+    return;
+  }
+  const auto remote = detail::to_endpoint_address(info->dest_addr, info->dest_addrlen);
+  if (!remote) {
+    reject("the request carries no IP address");
+    return;
+  }
+  std::shared_ptr<Connection> conn;
+  {
+    const auto held = m_registry.lock();
+    if (!m_registry.has_listener(held, listener->address)) {
+      refuse_closed();  // closed meanwhile
+      return;
+    }
+    if (m_registry.find(held, *remote)) {
+      // A source-port collision (docs/semantics.md): the flag tells a netio3 client to
+      // connect from another port.
+      reject(fmt::format("a connection from {} exists (a source-port collision: the client "
+                         "should connect from another port)",
+                         *remote),
+             CM_REFUSED_ADDRESS_IN_USE);
+      return;
+    }
+    try {
+      conn = make_connection(*remote, listener->params, listener->id, domain, Phase::HANDSHAKE,
+                             listener->shared_recv ? listener->shared_recv : global_recv(domain));
+      conn->peer_recv_size = peer->recv_buf_size;
+      open_endpoint(*conn, info.get());
+    } catch (const std::exception& e) {
+      reject(e.what());
+      return;
+    }
+    m_registry.index(conn);
+    m_registry.add_connection(held, conn);
+  }
+  track_setup(conn);
+  const auto reply = encode_cm_data(CmData{receive_size(*conn)});
+  const int rc = fi_accept(conn->ep.get(), reply.data(), reply.size());
+  if (rc != 0) {
+    close(conn, fmt::format("fi_accept failed: {}", fi_error(rc)), CloseCause::ERROR);
+    return;
+  }
+  NETIO3_DEBUG("libfabric: accepting connection from {} on {}", *remote, listener->address);
+}
+
+void Backend::on_connected(const std::shared_ptr<Connection>& conn,
+                           std::span<const std::uint8_t> data) {
+  if (conn->phase == Phase::CONNECTING) {
+    std::string error;
+    const auto peer = decode_cm_data(data, error);
+    if (!peer) {
+      NETIO3_WARN("libfabric: connection with {}: {}", conn->remote, error);
+      close(conn, error, CloseCause::ERROR);
+      return;
+    }
+    const std::lock_guard lock{conn->mutex};
+    conn->peer_recv_size = peer->recv_buf_size;
+  }
+  if (conn->setting_up()) (void)established(conn, capabilities(*conn));
+}
+
+void Backend::close_transport(const std::shared_ptr<Connection>& conn) {
+  m_registry.forget(conn->id);
+  const auto& ending = conn->ending_info;
+  if (conn->ep && ending.was_open && ending.cause != CloseCause::PEER) {
+    fi_shutdown(conn->ep.get(), 0);
+  }
+  retire(conn);
+}
+
+void Backend::close_listener(const std::shared_ptr<Listener>& listener) {
+  listener->closed.store(true);
+  m_closed_listeners->retire(listener);
+}
+
+void Backend::abandon(Connection& conn) noexcept {
+  {
+    const std::lock_guard lock{conn.mutex};
+    conn.phase = Phase::CLOSED;
+    conn.ledger.cancel_all();
+  }
+  conn.ep.reset();
+}
+
+void Backend::release_listener(Listener& listener) {
+  {
+    const std::lock_guard lock{m_pep_mutex};
+    listener.pep.reset();
+  }
+  m_registry.forget_listener(listener.id);
+}
+
+void Backend::release_retired(const Domain& domain) {
+  std::erase_if(m_retired, [&](const Retired& r) {
+    return r.domain == &domain && domain.drains >= r.drains_at_close + RETIRE_AFTER_DRAINS;
+  });
+}
+
+}  // namespace netio3::libfabric
