@@ -68,8 +68,16 @@ namespace netio3::detail {
 //  - close_listener(listener): stop accepting on it (close_listen_endpoint).
 //  - post_buffer(conn, buffer): send_buffer after the engine's checks; the buffer is
 //    claimed, and handed back to its pool by the engine unless OK is returned.
+//  - post_data(conn, header, iov, payload, pending): send_data (Payload::REFERENCE: the
+//    payload is sent from where it lies until the send completes) or send_data_copy
+//    (Payload::COPY: it is copied before the call returns), after the engine's checks. A
+//    transport whose connections have a registered region (Conn::region) gets only payloads
+//    inside it; one that cannot copy declares static NO_COPY_SENDS (why, for NotSupported).
 // and may implement after_closed(conn): the connection is CLOSED (its end is about to be
 // reported): free what the transport kept for it. No callback.
+// How send_data's and send_data_copy's payload is handed to the transport.
+enum class Payload : std::uint8_t { REFERENCE, COPY };
+
 template <typename T, typename Conn, typename L>
 concept TransportOf = requires(T& t, const std::shared_ptr<Conn>& conn, Conn& c,
                                NetworkBuffer* buffer) {
@@ -79,6 +87,10 @@ concept TransportOf = requires(T& t, const std::shared_ptr<Conn>& conn, Conn& c,
   noexcept;
   { t.close_listener(std::shared_ptr<L>{}) } -> std::same_as<void>;
   { t.post_buffer(conn, buffer) } -> std::same_as<NetioStatus>;
+  {
+    t.post_data(conn, std::span<const std::uint8_t>{}, std::span<const iovec>{}, Payload::COPY,
+                PendingSend{})
+    } -> std::same_as<NetioStatus>;
 };
 
 template <typename Derived, std::derived_from<ConnectionBase> Conn, RegisteredListener Listener>
@@ -142,6 +154,32 @@ class ConnectionEngine {
     const NetioStatus status = derived().post_buffer(conn, buffer);
     if (status != NetioStatus::OK) pool->abort_send(buffer);
     return status;
+  }
+
+  NetioStatus send_data(const EndPointAddress& address, std::span<const iovec> iov,
+                        std::span<const std::uint8_t> header, std::uint64_t key) {
+    const ApiCall call{*this, "send_data"};
+    std::shared_ptr<Conn> conn;
+    if constexpr (requires(Conn & c) { std::span<const std::uint8_t>{c.region}; }) {
+      conn = zero_copy_target(address, iov, header);
+      if (!conn) return NetioStatus::FAILED;
+    } else {
+      conn = m_registry.get(address, "send_data");
+      if (!header_ok(address, header, m_name)) return NetioStatus::FAILED;
+    }
+    return derived().post_data(conn, header, iov, Payload::REFERENCE, PendingSend{key, nullptr});
+  }
+
+  NetioStatus send_data_copy(const EndPointAddress& address, std::span<const iovec> iov,
+                             std::span<const std::uint8_t> header, std::uint64_t key) {
+    const ApiCall call{*this, "send_data_copy"};
+    const auto conn = m_registry.get(address, "send_data_copy");
+    if constexpr (requires { Derived::NO_COPY_SENDS; }) {
+      throw NotSupported(
+          fmt::format("{}: send_data_copy is not supported {}", m_name, Derived::NO_COPY_SENDS));
+    }
+    if (!header_ok(address, header, m_name)) return NetioStatus::FAILED;
+    return derived().post_data(conn, header, iov, Payload::COPY, PendingSend{key, nullptr});
   }
 
  protected:

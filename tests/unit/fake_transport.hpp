@@ -109,21 +109,16 @@ class FakeTransport : public detail::ConnectionEngine<FakeTransport, FakeConnect
     track_setup(conn);
   }
 
-  NetioStatus send_data(const EndPointAddress& address, std::span<const iovec> /*iov*/,
-                        std::span<const std::uint8_t> /*header*/, std::uint64_t key) {
-    const ApiCall call{*this, "send_data"};
-    return post(connection_for(address, "send_data"), detail::PendingSend{key, nullptr});
-  }
-  NetioStatus send_data_copy(const EndPointAddress& address, std::span<const iovec> /*iov*/,
-                             std::span<const std::uint8_t> /*header*/, std::uint64_t key) {
-    const ApiCall call{*this, "send_data_copy"};
-    return post(connection_for(address, "send_data_copy"), detail::PendingSend{key, nullptr});
-  }
-
   // ---- the transport (TransportOf) -----------------------------------------------------
 
   NetioStatus post_buffer(const std::shared_ptr<FakeConnection>& conn, NetworkBuffer* buffer) {
     return post(conn, detail::PendingSend{buffer->id(), buffer});
+  }
+
+  NetioStatus post_data(const std::shared_ptr<FakeConnection>& conn,
+                        std::span<const std::uint8_t> /*header*/, std::span<const iovec> /*iov*/,
+                        detail::Payload /*payload*/, detail::PendingSend pending) {
+    return post(conn, pending);
   }
 
   void close_transport(const std::shared_ptr<FakeConnection>& conn) {

@@ -120,26 +120,12 @@ void Backend::open_active_endpoint(const EndPointAddress& address,
   NETIO3_DEBUG("asyncmsg: connecting to {}", address);
 }
 
-NetioStatus Backend::send_data(const EndPointAddress& address, std::span<const iovec> iov,
-                               std::span<const std::uint8_t> header, std::uint64_t key) {
-  return send_message(address, iov, header, key, Payload::REFERENCE);
-}
-
-NetioStatus Backend::send_data_copy(const EndPointAddress& address, std::span<const iovec> iov,
-                                    std::span<const std::uint8_t> header, std::uint64_t key) {
-  return send_message(address, iov, header, key, Payload::COPY);
-}
-
-NetioStatus Backend::send_message(const EndPointAddress& address, std::span<const iovec> iov,
-                                  std::span<const std::uint8_t> header, std::uint64_t key,
-                                  Payload payload) {
-  const std::string_view api = payload == Payload::COPY ? "send_data_copy" : "send_data";
-  const ApiCall call{*this, api};
-  const auto conn = connection_for(address, api);
-  if (!detail::header_ok(address, header, NAME)) return NetioStatus::FAILED;
+NetioStatus Backend::post_data(const std::shared_ptr<Connection>& conn,
+                               std::span<const std::uint8_t> header, std::span<const iovec> iov,
+                               Payload payload, detail::PendingSend pending) {
   std::size_t size = header.size();
   for (const auto& v : iov) size += v.iov_len;
-  return enqueue(conn, size, detail::PendingSend{key, nullptr}, [&](SendQueue& queue) {
+  return enqueue(conn, size, pending, [&](SendQueue& queue) {
     std::array<std::uint8_t, FRAME_HEADER_SIZE> frame{};
     encode_frame_header(frame.data(), static_cast<std::uint32_t>(size));
     queue.append_copy(frame);

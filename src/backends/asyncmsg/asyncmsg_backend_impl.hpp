@@ -88,6 +88,7 @@ struct Listener {
 };
 
 using detail::CloseCause;
+using detail::Payload;
 using detail::Phase;
 
 struct Connection : detail::ConnectionBase {
@@ -152,12 +153,6 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
     }
   }
 
-  Backend(const Backend&) = delete;
-  Backend& operator=(const Backend&) = delete;
-  Backend(Backend&&) = delete;
-  Backend& operator=(Backend&&) = delete;
-  ~Backend() = default;
-
   // Registrations that need a weak self-reference; called right after construction.
   void start();
 
@@ -172,21 +167,13 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
 
   void open_active_endpoint(const EndPointAddress& address, const ConnectionParameters& params);
 
-  NetioStatus send_data(const EndPointAddress& address, std::span<const iovec> iov,
-                        std::span<const std::uint8_t> header, std::uint64_t key);
-
-  NetioStatus send_data_copy(const EndPointAddress& address, std::span<const iovec> iov,
-                             std::span<const std::uint8_t> header, std::uint64_t key);
+  // Frame header and header_data are always copied; consecutive copies land back to back
+  // in staging, so they leave as one iovec.
+  NetioStatus post_data(const std::shared_ptr<Connection>& conn,
+                        std::span<const std::uint8_t> header, std::span<const iovec> iov,
+                        Payload payload, detail::PendingSend pending);
 
  private:
-  // send_data (payload referenced in place, Payload::REFERENCE) and send_data_copy
-  // (payload copied, Payload::COPY). Frame header and header_data are always copied;
-  // consecutive copies land back to back in staging, so they leave as one iovec.
-  enum class Payload { REFERENCE, COPY };
-  NetioStatus send_message(const EndPointAddress& address, std::span<const iovec> iov,
-                           std::span<const std::uint8_t> header, std::uint64_t key,
-                           Payload payload);
-
   // ---- the transport (detail::TransportOf) ---------------------------------------------
  public:
   NetioStatus post_buffer(const std::shared_ptr<Connection>& conn, NetworkBuffer* buffer);

@@ -11,9 +11,10 @@
 // the peer could only truncate.
 //
 // Lifetimes: every posted operation carries an Op (first member: the provider's
-// fi_context2). fi_close on an endpoint queues cancellation completions that still point
-// to its Ops, so a closed connection is retired and freed only after later complete drains
-// of its completion queue.
+// fi_context2), and each connection counts the operations the provider holds
+// (provider_ops). fi_close on an endpoint turns what is still posted into cancellation
+// completions that point to its Ops, so a closed connection is retired and freed once its
+// count is zero (see release_retired for providers that drop operations instead).
 //
 // Threads: callbacks, completions and connection-management events run on the loop
 // thread. With ThreadSafetyModel::SAFE the provider is opened FI_THREAD_SAFE and any thread
@@ -157,11 +158,11 @@ NetioStatus Backend::post_buffer(const std::shared_ptr<Connection>& conn, Networ
                    buffer->size());
 }
 
-NetioStatus Backend::send_data(const EndPointAddress& address, std::span<const iovec> iov,
-                               std::span<const std::uint8_t> header, std::uint64_t key) {
-  const ApiCall call{*this, "send_data"};
-  const auto conn = zero_copy_target(address, iov, header);
-  if (!conn) return NetioStatus::FAILED;
+NetioStatus Backend::post_data(const std::shared_ptr<Connection>& conn,
+                               std::span<const std::uint8_t> header, std::span<const iovec> iov,
+                               Payload payload, detail::PendingSend pending) {
+  assert(payload == Payload::REFERENCE);  // NO_COPY_SENDS
+  (void)payload;
   void* region_desc = nullptr;
   {
     const std::lock_guard lock{conn->mutex};
@@ -172,17 +173,7 @@ NetioStatus Backend::send_data(const EndPointAddress& address, std::span<const i
   std::array<void*, MAX_IOV> desc{};
   std::fill(desc.begin(), desc.end(), region_desc);
   return post_send(*conn, header, iov, std::span{desc}.first(std::min(iov.size(), MAX_IOV)),
-                   detail::PendingSend{key, nullptr}, size);
-}
-
-NetioStatus Backend::send_data_copy(const EndPointAddress& address, std::span<const iovec> /*iov*/,
-                                    std::span<const std::uint8_t> /*header*/,
-                                    std::uint64_t /*key*/) {
-  const ApiCall call{*this, "send_data_copy"};
-  (void)connection_for(address, "send_data_copy");
-  throw NotSupported(
-      "libfabric: send_data_copy is not supported (RDMA sends from registered memory); use "
-      "buffered or zero-copy sending");
+                   pending, size);
 }
 
 void Backend::check_parameters(const ConnectionParameters& params) {
@@ -283,6 +274,7 @@ void Backend::post_receive(Op& op, fid_ep* target) const {
   if (rc != 0) {
     throw std::runtime_error(fmt::format("fi_recv failed: {}", fi_error(rc)));
   }
+  op.recv->posted.fetch_add(1, std::memory_order_relaxed);
 }
 
 std::shared_ptr<Connection> Backend::make_connection(const EndPointAddress& remote,

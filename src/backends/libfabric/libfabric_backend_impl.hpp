@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cassert>
 #include <optional>
 #include <stdexcept>
@@ -37,9 +38,6 @@ constexpr std::string_view NAME = "libfabric";
 constexpr std::size_t CQ_BATCH = 64;
 // Per readiness: read at most this many batches before the loop turns to other work.
 constexpr int DRAIN_ROUNDS = 16;
-// A closed connection is freed once its domain's completion queue was read empty this many
-// times after the close (cancellation completions of fi_close point into it).
-constexpr std::uint64_t RETIRE_AFTER_DRAINS = 2;
 // Send operations in flight per connection at most (also bounded by the provider's depth).
 constexpr std::size_t MAX_SEND_DEPTH = 1024;
 constexpr std::size_t MAX_IOV = 16;
@@ -51,6 +49,7 @@ constexpr std::uint64_t SPURIOUS_WAKEUPS_WARN = 1000;
 const EndPointAddress SHARED_SOURCE{"shared-receive-context", 0};
 
 using detail::CloseCause;
+using detail::Payload;
 using detail::Phase;
 
 struct Connection;
@@ -87,6 +86,9 @@ struct RecvBuffers {
   Fid<fid_ep> srx;  // shared receive context; null: per-endpoint buffers
   std::vector<Op> ops;
   std::vector<NetworkBuffer*> buffers;  // all of them, posted or being delivered
+  // Receives posted and not completed yet (the provider holds them). Per-endpoint buffers
+  // are posted on the thread that opens the endpoint, then on the loop thread.
+  std::atomic<std::size_t> posted{0};
 };
 
 struct Listener {
@@ -128,12 +130,26 @@ struct Connection : detail::ConnectionBase {
   std::vector<std::uint32_t> free_send_ops;
 
   Fid<fid_ep> ep;  // last: closed first
+
+  // Operations of this connection the provider holds: sends in flight and, with buffers of
+  // its own, receives posted. Their completions point into this object.
+  [[nodiscard]] std::size_t provider_ops() const {
+    std::size_t sends = 0;
+    {
+      const std::lock_guard lock{mutex};
+      sends = send_ops.size() - free_send_ops.size();
+    }
+    return sends + (recv && !recv->srx ? recv->posted.load() : 0);
+  }
 };
 
 class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
                 public std::enable_shared_from_this<Backend> {
  public:
   static constexpr BackendType TYPE = BackendType::LIBFABRIC;
+  // send_data_copy: RDMA sends from registered memory.
+  static constexpr std::string_view NO_COPY_SENDS =
+      "(RDMA sends from registered memory); use buffered or zero-copy sending";
   using Engine = detail::ConnectionEngine<Backend, Connection, Listener>;
 
   Backend(NetworkConfig config, std::shared_ptr<BaseEventLoop> loop)
@@ -148,12 +164,6 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
                  m_provider.from_environment ? " (FI_PROVIDER)" : "", m_config.thread_safety);
   }
 
-  Backend(const Backend&) = delete;
-  Backend& operator=(const Backend&) = delete;
-  Backend(Backend&&) = delete;
-  Backend& operator=(Backend&&) = delete;
-  ~Backend() = default;
-
   void start();
 
   void shutdown() noexcept;
@@ -167,11 +177,9 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
 
   NetioStatus post_buffer(const std::shared_ptr<Connection>& conn, NetworkBuffer* buffer);
 
-  NetioStatus send_data(const EndPointAddress& address, std::span<const iovec> iov,
-                        std::span<const std::uint8_t> header, std::uint64_t key);
-
-  NetioStatus send_data_copy(const EndPointAddress& address, std::span<const iovec> /*iov*/,
-                             std::span<const std::uint8_t> /*header*/, std::uint64_t /*key*/);
+  NetioStatus post_data(const std::shared_ptr<Connection>& conn,
+                        std::span<const std::uint8_t> header, std::span<const iovec> iov,
+                        Payload payload, detail::PendingSend pending);
 
  private:
   [[nodiscard]] bool safe() const noexcept { return m_thread.safe(); }
@@ -265,9 +273,6 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
   // A wait fd woke the loop and `handled` events were behind it.
   void on_wait_fd(Domain& domain, std::size_t handled);
 
-  // One event queue entry, with room for connection data.
-  static constexpr std::size_t EQ_ENTRY_SIZE = sizeof(fi_eq_cm_entry) + 256;
-
   // Shutdown: reads what is left on `domain`'s event queue, refusing connection requests
   // (callbacks are off: nothing else is reported).
   void refuse_queued_requests(Domain& domain) noexcept;
@@ -305,8 +310,8 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
   // or could not; the caller then closes `old`.
   bool reconnect_from_new_source_port(const std::shared_ptr<Connection>& old);
 
-  // Closes the endpoint of a CLOSED connection (which queues cancellations for what was still
-  // posted) and keeps the connection until the provider is done with it.
+  // Closes the endpoint of a CLOSED connection and keeps the connection until the provider
+  // holds none of its operations (release_retired).
   void retire(const std::shared_ptr<Connection>& conn);
 
   // retire() for a connection that never was registered (a failed or abandoned retry).

@@ -5,6 +5,44 @@
 
 namespace netio3::libfabric {
 
+namespace {
+
+// One event queue entry, with room for connection data.
+constexpr std::size_t EQ_ENTRY_SIZE = sizeof(fi_eq_cm_entry) + 256;
+
+// Reads `domain`'s event queue until it is empty, `max` entries were read, or a handler
+// returns false (go no further): on_event(event, entry, data) for an event, on_error(err)
+// for an error entry. Returns how many entries it read.
+template <typename OnEvent, typename OnError>
+std::size_t read_events(Domain& domain, int max, const OnEvent& on_event, const OnError& on_error) {
+  alignas(fi_eq_cm_entry) std::array<std::uint8_t, EQ_ENTRY_SIZE> buffer{};
+  std::size_t read = 0;
+  for (int i = 0; i < max; ++i) {
+    std::uint32_t event = 0;
+    const ssize_t rc = fi_eq_read(domain.eq(), &event, buffer.data(), buffer.size(), 0);
+    if (rc == -FI_EAGAIN) break;
+    ++read;
+    if (rc == -FI_EAVAIL) {
+      fi_eq_err_entry err{};
+      if (fi_eq_readerr(domain.eq(), &err, 0) < 0) break;
+      if (!on_error(err)) break;
+      continue;
+    }
+    if (rc < 0) {
+      NETIO3_ERROR("libfabric: fi_eq_read failed: {}", fi_error(rc));
+      break;
+    }
+    const auto* entry = reinterpret_cast<const fi_eq_cm_entry*>(buffer.data());  // NOLINT
+    const std::size_t data_len = static_cast<std::size_t>(rc) > sizeof(fi_eq_cm_entry)
+                                     ? static_cast<std::size_t>(rc) - sizeof(fi_eq_cm_entry)
+                                     : 0;
+    if (!on_event(event, *entry, std::span<const std::uint8_t>{entry->data, data_len})) break;
+  }
+  return read;
+}
+
+}  // namespace
+
 void Backend::on_kick() {
   m_kick_pending.store(false);
   drain_all();
@@ -77,21 +115,16 @@ void Backend::on_wait_fd(Domain& domain, std::size_t handled) {
 }
 
 void Backend::refuse_queued_requests(Domain& domain) noexcept {
-  alignas(fi_eq_cm_entry) std::array<std::uint8_t, EQ_ENTRY_SIZE> buffer{};
-  for (int i = 0; i < 100'000; ++i) {
-    std::uint32_t event = 0;
-    const ssize_t rc = fi_eq_read(domain.eq(), &event, buffer.data(), buffer.size(), 0);
-    if (rc == -FI_EAVAIL) {
-      fi_eq_err_entry err{};
-      if (fi_eq_readerr(domain.eq(), &err, 0) < 0) return;
-      continue;
-    }
-    if (rc < 0) return;
-    if (event != FI_CONNREQ) continue;
-    const auto* entry = reinterpret_cast<const fi_eq_cm_entry*>(buffer.data());  // NOLINT
-    const Info info{entry->info};
-    refuse_request(m_registry.listener_by_id(id_of(entry->fid)).get(), info->handle);
-  }
+  (void)read_events(
+      domain, 100'000,
+      [&](std::uint32_t event, const fi_eq_cm_entry& entry, std::span<const std::uint8_t>) {
+        if (event == FI_CONNREQ) {
+          const Info info{entry.info};
+          refuse_request(m_registry.listener_by_id(id_of(entry.fid)).get(), info->handle);
+        }
+        return true;
+      },
+      [](const fi_eq_err_entry&) { return true; });
 }
 
 void Backend::refuse_request(const Listener* listener, fid_t handle) noexcept {
@@ -105,30 +138,17 @@ void Backend::refuse_request(const Listener* listener, fid_t handle) noexcept {
 
 std::size_t Backend::drain_eq(Domain& domain) {
   assert_loop_thread();
-  std::size_t handled = 0;
-  alignas(fi_eq_cm_entry) std::array<std::uint8_t, EQ_ENTRY_SIZE> buffer{};
-  for (int i = 0; i < DRAIN_ROUNDS * 4 && !shut_down(); ++i) {
-    std::uint32_t event = 0;
-    const ssize_t rc = fi_eq_read(domain.eq(), &event, buffer.data(), buffer.size(), 0);
-    if (rc == -FI_EAGAIN) return handled;
-    ++handled;
-    if (rc == -FI_EAVAIL) {
-      fi_eq_err_entry err{};
-      if (fi_eq_readerr(domain.eq(), &err, 0) < 0) return handled;
-      on_eq_error(domain, err);
-      continue;
-    }
-    if (rc < 0) {
-      NETIO3_ERROR("libfabric: fi_eq_read failed: {}", fi_error(rc));
-      return handled;
-    }
-    const auto* entry = reinterpret_cast<const fi_eq_cm_entry*>(buffer.data());  // NOLINT
-    const std::size_t data_len = static_cast<std::size_t>(rc) > sizeof(fi_eq_cm_entry)
-                                     ? static_cast<std::size_t>(rc) - sizeof(fi_eq_cm_entry)
-                                     : 0;
-    on_cm_event(domain, event, *entry, {entry->data, data_len});
-  }
-  return handled;
+  if (shut_down()) return 0;
+  return read_events(
+      domain, DRAIN_ROUNDS * 4,
+      [&](std::uint32_t event, const fi_eq_cm_entry& entry, std::span<const std::uint8_t> data) {
+        on_cm_event(domain, event, entry, data);
+        return !shut_down();
+      },
+      [&](const fi_eq_err_entry& err) {
+        on_eq_error(domain, err);
+        return !shut_down();
+      });
 }
 
 std::size_t Backend::drain_cq(Domain& domain) {
@@ -167,6 +187,7 @@ void Backend::on_completion(const fi_cq_data_entry& entry) {
   auto* op = static_cast<Op*>(entry.op_context);
   if (op == nullptr) return;
   if (op->kind == Op::Kind::RECV) {
+    op->recv->posted.fetch_sub(1, std::memory_order_relaxed);
     on_received(*op, entry.len);
   } else {
     on_send_done(*op, true, {});
@@ -189,6 +210,7 @@ void Backend::on_completion_error(Domain& domain, const fi_cq_err_entry& err) {
     return;
   }
   // A failed or cancelled receive.
+  op->recv->posted.fetch_sub(1, std::memory_order_relaxed);
   if (err.err == FI_ECANCELED) return;  // its endpoint (or shared context) is closing
   Connection* conn = op->conn;
   if (conn == nullptr) {
@@ -478,9 +500,23 @@ void Backend::release_listener(Listener& listener) {
   m_registry.forget_listener(listener.id);
 }
 
+// A retired connection is freed when the provider holds none of its operations. The tcp,
+// net and verbs providers of libfabric 1.17 turn an endpoint's posted operations into
+// FI_ECANCELED completions inside fi_close (tcpx_ep_flush_all_queues, xnet_ep_flush_all_queues,
+// vrb_flush_sq/vrb_flush_rq), so the count reaches zero within the next complete read of the
+// queue. A provider that drops them instead never completes them: once the queue was read
+// empty after the close, nothing of the endpoint can come any more, and it is freed then.
 void Backend::release_retired(const Domain& domain) {
   std::erase_if(m_retired, [&](const Retired& r) {
-    return r.domain == &domain && domain.drains >= r.drains_at_close + RETIRE_AFTER_DRAINS;
+    if (r.domain != &domain) return false;
+    const std::size_t held = r.conn->provider_ops();
+    if (held == 0) return true;
+    if (domain.drains == r.drains_at_close) return false;
+    NETIO3_DEBUG(
+        "libfabric: the provider dropped {} operation(s) of the closed endpoint to {} "
+        "without completing them",
+        held, r.conn->remote);
+    return true;
   });
 }
 

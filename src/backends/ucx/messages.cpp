@@ -11,6 +11,13 @@ NetioStatus Backend::post_buffer(const std::shared_ptr<Connection>& conn, Networ
                       detail::PendingSend{buffer->id(), buffer});
 }
 
+NetioStatus Backend::post_data(const std::shared_ptr<Connection>& conn,
+                               std::span<const std::uint8_t> header, std::span<const iovec> iov,
+                               Payload payload, detail::PendingSend pending) {
+  return send_message(*conn, header, iov,
+                      payload == Payload::COPY ? SendKind::COPY : SendKind::ZERO_COPY, pending);
+}
+
 NetioStatus Backend::send_message(Connection& conn, std::span<const std::uint8_t> header,
                                   std::span<const iovec> payload, SendKind kind,
                                   detail::PendingSend pending) {

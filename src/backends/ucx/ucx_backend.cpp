@@ -324,22 +324,6 @@ void Backend::open_active_endpoint(const EndPointAddress& address,
   NETIO3_DEBUG("ucx: connecting to {}", address);
 }
 
-NetioStatus Backend::send_data(const EndPointAddress& address, std::span<const iovec> iov,
-                               std::span<const std::uint8_t> header, std::uint64_t key) {
-  const ApiCall call{*this, "send_data"};
-  const auto conn = zero_copy_target(address, iov, header);
-  if (!conn) return NetioStatus::FAILED;
-  return send_message(*conn, header, iov, SendKind::ZERO_COPY, detail::PendingSend{key, nullptr});
-}
-
-NetioStatus Backend::send_data_copy(const EndPointAddress& address, std::span<const iovec> iov,
-                                    std::span<const std::uint8_t> header, std::uint64_t key) {
-  const ApiCall call{*this, "send_data_copy"};
-  const auto conn = connection_for(address, "send_data_copy");
-  if (!detail::header_ok(address, header, NAME)) return NetioStatus::FAILED;
-  return send_message(*conn, header, iov, SendKind::COPY, detail::PendingSend{key, nullptr});
-}
-
 void Backend::ensure_worker(const EndPointAddress& first, bool listening) {
   const std::lock_guard lock{m_worker_mutex};
   if (m_worker) return;

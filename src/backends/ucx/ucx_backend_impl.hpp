@@ -72,6 +72,7 @@ constexpr auto SERVER_GREETING_TIMEOUT = 5s;
 constexpr auto LINGER_TIMEOUT = 2s;
 
 using detail::CloseCause;
+using detail::Payload;
 using detail::Phase;
 
 class Backend;
@@ -238,10 +239,6 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
                  m_transports.from_environment ? " (UCX_TLS)" : "", m_config.thread_safety);
   }
 
-  Backend(const Backend&) = delete;
-  Backend& operator=(const Backend&) = delete;
-  Backend(Backend&&) = delete;
-  Backend& operator=(Backend&&) = delete;
   ~Backend() { shutdown(); }
 
   void start();
@@ -254,12 +251,6 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
                                        const ConnectionParameters& params);
 
   void open_active_endpoint(const EndPointAddress& address, const ConnectionParameters& params);
-
-  NetioStatus send_data(const EndPointAddress& address, std::span<const iovec> iov,
-                        std::span<const std::uint8_t> header, std::uint64_t key);
-
-  NetioStatus send_data_copy(const EndPointAddress& address, std::span<const iovec> iov,
-                             std::span<const std::uint8_t> header, std::uint64_t key);
 
  private:
   [[nodiscard]] bool safe() const noexcept { return m_thread.safe(); }
@@ -471,6 +462,10 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
   //     send that completed at once was reported): quiescent(); the connection is freed once
   //     no rendezvous receive is in flight on it (release_if_idle).
   NetioStatus post_buffer(const std::shared_ptr<Connection>& conn, NetworkBuffer* buffer);
+
+  NetioStatus post_data(const std::shared_ptr<Connection>& conn,
+                        std::span<const std::uint8_t> header, std::span<const iovec> iov,
+                        Payload payload, detail::PendingSend pending);
 
   void close_listener(const std::shared_ptr<Listener>& listener) noexcept {
     close_listener_socket(*listener);
