@@ -141,8 +141,9 @@ class ConnectionEngine {
     for (const auto& child : children) close_requested(child, "listen endpoint closed");
   }
 
+  // Causes no callback: the thread-model check only (no ApiCall).
   NetworkBuffer* get_buffer(const EndPointAddress& address) {
-    const ApiCall call{*this, "get_buffer"};
+    m_thread.check_caller("get_buffer");
     return acquire_send_buffer(*m_registry.get(address, "get_buffer"), m_name);
   }
 

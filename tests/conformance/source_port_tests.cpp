@@ -63,27 +63,10 @@ TEST_P(SourcePorts, SixtyFourConnectionsToSixtyFourListenersAreNeverRefused) {
 // A plain TCP socket bound, with SO_REUSEADDR, to a port the kernel picks: the port two
 // connections will share.
 struct SharedPort {
-  SharedPort() : fd{::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0)} {
-    const int one = 1;
-    sockaddr_in in{};
-    in.sin_family = AF_INET;
-    ::inet_pton(AF_INET, test::test_address().c_str(), &in.sin_addr);
-    socklen_t len = sizeof(in);
-    if (fd < 0 || ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one)) != 0 ||
-        ::bind(fd, reinterpret_cast<const sockaddr*>(&in), sizeof(in)) != 0 ||  // NOLINT
-        ::getsockname(fd, reinterpret_cast<sockaddr*>(&in), &len) != 0) {       // NOLINT
-      ADD_FAILURE() << "cannot bind a socket: " << std::strerror(errno);
-      return;
-    }
-    port = ntohs(in.sin_port);
+  SharedPort() {
+    if (!socket.error().empty()) ADD_FAILURE() << "cannot bind a socket: " << socket.error();
+    port = socket.port();
   }
-  ~SharedPort() {
-    if (fd >= 0) ::close(fd);
-  }
-  SharedPort(const SharedPort&) = delete;
-  SharedPort& operator=(const SharedPort&) = delete;
-  SharedPort(SharedPort&&) = delete;
-  SharedPort& operator=(SharedPort&&) = delete;
 
   // Connects (from the shared port) to `to` and returns what arrives until the server
   // closes, or nullopt when it did not close within the default timeout.
@@ -109,7 +92,8 @@ struct SharedPort {
     return std::nullopt;
   }
 
-  int fd;
+  test::BoundSocket socket{EndPointAddress{test::test_address(), 0}};
+  int fd{socket.fd()};
   std::uint16_t port{0};
 };
 

@@ -128,33 +128,18 @@ class PeerKilled : public ::testing::TestWithParam<std::tuple<Target, KillCase>>
 // Keeps `address`'s port bound in this process (not listening), so that no new socket of
 // this host is given it: the Observer knows connections by their remote address, and a second
 // peer that got the dead one's port would have its reports counted as the first one's.
+// SO_REUSEADDR: the dead peer's sockets may linger in TIME_WAIT on it. The kernel never
+// picks a port that a socket is bound to for a bind to port 0, SO_REUSEADDR or not.
 class PortHold {
  public:
-  explicit PortHold(const EndPointAddress& address)
-      : m_fd{::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0)} {
-    sockaddr_in in{};
-    in.sin_family = AF_INET;
-    in.sin_port = htons(address.port);
-    ::inet_pton(AF_INET, address.address.c_str(), &in.sin_addr);
-    // SO_REUSEADDR: the dead peer's sockets may linger in TIME_WAIT on it. The kernel never
-    // picks a port that a socket is bound to for a bind to port 0, SO_REUSEADDR or not.
-    const int one = 1;
-    if (m_fd < 0 || ::setsockopt(m_fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one)) != 0 ||
-        (::bind(m_fd, reinterpret_cast<const sockaddr*>(&in), sizeof(in)) != 0 &&  // NOLINT
-         errno != EADDRINUSE)) {
-      ADD_FAILURE() << "cannot hold the port of " << address << ": " << std::strerror(errno);
+  explicit PortHold(const EndPointAddress& address) : m_socket{address, true} {
+    if (!m_socket.error().empty()) {
+      ADD_FAILURE() << "cannot hold the port of " << address << ": " << m_socket.error();
     }
   }
-  ~PortHold() {
-    if (m_fd >= 0) ::close(m_fd);
-  }
-  PortHold(const PortHold&) = delete;
-  PortHold& operator=(const PortHold&) = delete;
-  PortHold(PortHold&&) = delete;
-  PortHold& operator=(PortHold&&) = delete;
 
  private:
-  int m_fd;
+  test::BoundSocket m_socket;
 };
 
 TEST_P(PeerKilled, CloseIsReportedNothingIsLostAndTheBackendCarriesOn) {

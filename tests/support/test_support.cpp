@@ -3,6 +3,7 @@
 #include <arpa/inet.h>
 #include <cerrno>
 #include <cstdlib>
+#include <cstring>
 #include <dirent.h>
 #include <fstream>
 #include <future>
@@ -15,6 +16,37 @@
 #include <unistd.h>
 
 namespace netio3::test {
+
+BoundSocket::BoundSocket(const EndPointAddress& address, bool in_use_is_held)
+    : m_fd{::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0)} {
+  sockaddr_in in{};
+  in.sin_family = AF_INET;
+  in.sin_port = htons(address.port);
+  socklen_t len = sizeof(in);
+  const int one = 1;
+  if (m_fd < 0 || ::inet_pton(AF_INET, address.address.c_str(), &in.sin_addr) != 1 ||
+      ::setsockopt(m_fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one)) != 0) {
+    m_error = std::strerror(errno);
+    return;
+  }
+  if (::bind(m_fd, reinterpret_cast<const sockaddr*>(&in), sizeof(in)) != 0) {  // NOLINT
+    if (errno == EADDRINUSE && in_use_is_held) {
+      m_port = address.port;
+    } else {
+      m_error = std::strerror(errno);
+    }
+    return;
+  }
+  if (::getsockname(m_fd, reinterpret_cast<sockaddr*>(&in), &len) != 0) {  // NOLINT
+    m_error = std::strerror(errno);
+    return;
+  }
+  m_port = ntohs(in.sin_port);
+}
+
+BoundSocket::~BoundSocket() {
+  if (m_fd >= 0) ::close(m_fd);
+}
 
 struct LogCapture::State {
   mutable std::mutex mutex;

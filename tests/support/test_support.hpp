@@ -197,6 +197,29 @@ class Recorder {
   std::function<void(const Event&, std::span<const std::uint8_t>)> m_hook;
 };
 
+// A TCP socket bound, with SO_REUSEADDR, to `address` (port 0: one the kernel picks), not
+// listening: the kernel gives no other socket of this host its port for a bind to port 0
+// while it lives. With `in_use_is_held`, a port that another socket already holds (EADDRINUSE)
+// counts as held too. error() says why it could not bind (empty when it could).
+class BoundSocket {
+ public:
+  explicit BoundSocket(const EndPointAddress& address, bool in_use_is_held = false);
+  ~BoundSocket();
+  BoundSocket(const BoundSocket&) = delete;
+  BoundSocket& operator=(const BoundSocket&) = delete;
+  BoundSocket(BoundSocket&&) = delete;
+  BoundSocket& operator=(BoundSocket&&) = delete;
+
+  [[nodiscard]] int fd() const noexcept { return m_fd; }
+  [[nodiscard]] std::uint16_t port() const noexcept { return m_port; }
+  [[nodiscard]] const std::string& error() const noexcept { return m_error; }
+
+ private:
+  int m_fd{-1};
+  std::uint16_t m_port{0};
+  std::string m_error;
+};
+
 // A deterministic byte pattern for message `index` of `size` bytes, and its check.
 [[nodiscard]] std::vector<std::uint8_t> pattern(std::uint64_t index, std::size_t size);
 [[nodiscard]] bool matches_pattern(std::span<const std::uint8_t> bytes, std::uint64_t index);

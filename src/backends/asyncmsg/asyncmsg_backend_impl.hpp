@@ -1,6 +1,4 @@
 // The asyncmsg backend's types and its class (see asyncmsg_backend.cpp for how it works).
-// Its definitions are split: asyncmsg_backend.cpp (lifecycle, API, the loop thread's socket
-// work), receive_memory.cpp (limits.max_receive_memory: admission, pausing and resuming reads).
 
 #pragma once
 
@@ -43,6 +41,10 @@
 #include "common/tcp.hpp"
 
 namespace netio3::asyncmsg {
+
+// Internal: not exported from the shared library, and not interposable, so that calls between
+// the backend's files are bound (and inlined) as within one file.
+#pragma GCC visibility push(hidden)
 
 namespace asio = boost::asio;
 using tcp = asio::ip::tcp;
@@ -323,5 +325,7 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
   EventSignalHandle m_flush_signal;
   PrepareHookHandle m_prepare;
 };
+
+#pragma GCC visibility pop
 
 }  // namespace netio3::asyncmsg

@@ -269,14 +269,6 @@ std::shared_ptr<RecvBuffers> Backend::global_recv(Domain& domain) {
   return recv;
 }
 
-void Backend::post_receive(Op& op, fid_ep* target) const {
-  const int rc = fi_recv(target, op.buffer->data(), op.buffer->capacity(), op.recv->desc, 0, &op);
-  if (rc != 0) {
-    throw std::runtime_error(fmt::format("fi_recv failed: {}", fi_error(rc)));
-  }
-  op.recv->posted.fetch_add(1, std::memory_order_relaxed);
-}
-
 std::shared_ptr<Connection> Backend::make_connection(const EndPointAddress& remote,
                                                      const ConnectionParameters& params,
                                                      std::uint64_t listener_id, Domain& domain,

@@ -34,6 +34,10 @@
 
 namespace netio3::libfabric {
 
+// Internal: not exported from the shared library, and not interposable, so that calls between
+// the backend's files are bound (and inlined) as within one file.
+#pragma GCC visibility push(hidden)
+
 constexpr std::string_view NAME = "libfabric";
 constexpr std::size_t CQ_BATCH = 64;
 // Per readiness: read at most this many batches before the loop turns to other work.
@@ -367,5 +371,7 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
   EventSignalHandle m_kick;
   PrepareHookHandle m_prepare;
 };
+
+#pragma GCC visibility pop
 
 }  // namespace netio3::libfabric

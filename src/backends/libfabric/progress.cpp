@@ -245,6 +245,14 @@ void Backend::on_received(Op& op, std::size_t len) {
   }
 }
 
+void Backend::post_receive(Op& op, fid_ep* target) const {
+  const int rc = fi_recv(target, op.buffer->data(), op.buffer->capacity(), op.recv->desc, 0, &op);
+  if (rc != 0) {
+    throw std::runtime_error(fmt::format("fi_recv failed: {}", fi_error(rc)));
+  }
+  op.recv->posted.fetch_add(1, std::memory_order_relaxed);
+}
+
 void Backend::repost_shared(Op& op) {
   try {
     post_receive(op, op.recv->srx.get());

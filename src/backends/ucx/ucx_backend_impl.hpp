@@ -40,6 +40,10 @@
 
 namespace netio3::ucx {
 
+// Internal: not exported from the shared library, and not interposable, so that calls between
+// the backend's files are bound (and inlined) as within one file.
+#pragma GCC visibility push(hidden)
+
 using namespace std::chrono_literals;
 
 constexpr std::string_view NAME = "ucx";
@@ -535,5 +539,7 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
   EventSignalHandle m_kick;
   PrepareHookHandle m_prepare;
 };
+
+#pragma GCC visibility pop
 
 }  // namespace netio3::ucx
