@@ -218,11 +218,6 @@ class ConnectionEngine {
     return call;
   }
 
-  // The connection named `address` for API call `api` (throws like the registry's get).
-  std::shared_ptr<Conn> connection_for(const EndPointAddress& address, std::string_view api) {
-    return m_registry.get(address, api);
-  }
-
   // send_data's checks for a transport that sends zero-copy from the connection's registered
   // region (Conn::region, under its mutex): the connection, or null (logged) when the header
   // is too long or a piece lies outside the region. Throws NotSupported without a region.

@@ -10,10 +10,12 @@
 #include <cstdint>
 #include <list>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <span>
 #include <string>
 #include <string_view>
+#include <sys/epoll.h>
 #include <utility>
 
 #include <netio3/event_loop.hpp>
@@ -149,6 +151,30 @@ class AcceptPauses {
   std::optional<std::chrono::steady_clock::time_point> m_since;
   std::size_t m_pauses{0};
 };
+
+// The timer that ends a listener's accept pause: it puts the listener's fd back into the
+// loop. Made when the listener is, while descriptors are to be had (a timerfd is one).
+// L has `mutex`, `closed`, `fd` (FdHandle) and `resume` (this timer), as pause_accepting.
+template <typename L>
+EventTimerHandle make_resume_timer(BaseEventLoop& loop, const std::shared_ptr<L>& listener) {
+  return loop.create_timer([weak = std::weak_ptr<L>{listener}] {
+    if (auto l = weak.lock()) {
+      const std::lock_guard lock{l->mutex};
+      if (!l->closed) l->fd.modify(EPOLLIN);
+    }
+  });
+}
+
+// Stops accepting on `listener` for AcceptPauses::BACKOFF because of `why` (logged through
+// its `pauses`, an AcceptPauses). Loop thread.
+template <typename L>
+void pause_accepting(L& listener, const std::string& why) {
+  listener.pauses->paused(why);
+  const std::lock_guard lock{listener.mutex};
+  if (listener.closed) return;
+  listener.fd.modify(0);
+  listener.resume.start_once(AcceptPauses::BACKOFF);
+}
 
 // Sockets of closed connections that wait for the peer to finish: shutdown(SHUT_WR) was
 // called (our FIN is out), and what the peer still sends is read and discarded until it

@@ -71,14 +71,7 @@ EndPointAddress Backend::open_listen_endpoint(const EndPointAddress& address,
     // The first event may be dispatched before add_fd returns: publish the handle under
     // the listener's mutex, which the loop takes before using it.
     const std::lock_guard listener_lock{listener->mutex};
-    // Made now, while descriptors are to be had: it ends the pauses that descriptor
-    // exhaustion causes.
-    listener->resume = m_loop->create_timer([weak = std::weak_ptr<Listener>{listener}] {
-      if (auto l = weak.lock()) {
-        const std::lock_guard relock{l->mutex};
-        if (!l->closed) l->fd.modify(EPOLLIN);
-      }
-    });
+    listener->resume = detail::make_resume_timer(*m_loop, listener);
     listener->fd = m_loop->add_fd(listener->acceptor.native_handle(), EPOLLIN,
                                   fd_callback<&Backend::on_acceptable>(listener));
   }
@@ -105,7 +98,8 @@ void Backend::open_active_endpoint(const EndPointAddress& address,
   if (err != 0) {
     // Failed at once (e.g. no route): reported like any refusal, from the loop.
     m_registry.add_connection(held, conn);
-    close_later(conn, fmt::format("connect failed: {}", errno_text(err)), CloseCause::ERROR);
+    close_later(conn, fmt::format("connect failed: {}", detail::errno_text(err)),
+                CloseCause::ERROR);
     return;
   }
   // Writable = connected or failed; on_socket_event tells which from SO_ERROR. The
@@ -221,7 +215,7 @@ void Backend::on_acceptable(const std::shared_ptr<Listener>& listener, std::uint
     if (ec == asio::error::would_block || ec == asio::error::try_again) return;
     if (ec == asio::error::no_descriptors || ec == asio::error::no_buffer_space ||
         ec == asio::error::no_memory || ec.value() == ENFILE) {
-      pause_listener(listener, fmt::format("accept failed: {}", ec.message()));
+      detail::pause_accepting(*listener, fmt::format("accept failed: {}", ec.message()));
       return;
     }
     if (ec) {
@@ -230,22 +224,15 @@ void Backend::on_acceptable(const std::shared_ptr<Listener>& listener, std::uint
     }
     if (detail::descriptor_table_nearly_full(socket.native_handle())) {
       // Keep descriptors for the rest of the process (timers, other backends' transports).
-      pause_listener(listener, fmt::format("the descriptor table is nearly full (descriptor {} of "
-                                           "RLIMIT_NOFILE); the connection is refused",
-                                           socket.native_handle()));
+      detail::pause_accepting(*listener,
+                              fmt::format("the descriptor table is nearly full (descriptor {} of "
+                                          "RLIMIT_NOFILE); the connection is refused",
+                                          socket.native_handle()));
       return;
     }
     listener->pauses->accepted();
     accept_one(listener, std::move(socket), peer);
   }
-}
-
-void Backend::pause_listener(const std::shared_ptr<Listener>& listener, const std::string& why) {
-  listener->pauses->paused(why);
-  const std::lock_guard lock{listener->mutex};
-  if (listener->closed) return;
-  listener->fd.modify(0);
-  listener->resume.start_once(detail::AcceptPauses::BACKOFF);
 }
 
 void Backend::accept_one(const std::shared_ptr<Listener>& listener, tcp::socket socket,
@@ -317,7 +304,7 @@ void Backend::on_connect_done(const std::shared_ptr<Connection>& conn) {
     err = errno;
   }
   if (err != 0) {
-    close(conn, fmt::format("connect failed: {}", errno_text(err)), CloseCause::ERROR);
+    close(conn, fmt::format("connect failed: {}", detail::errno_text(err)), CloseCause::ERROR);
     return;
   }
   if (detail::connected_to_itself(conn->socket.native_handle())) {
@@ -352,7 +339,7 @@ bool Backend::reconnect_from_new_source_port(const std::shared_ptr<Connection>& 
   std::string why;
   try {
     if (const int err = start_connect(fresh, conn->remote); err != 0) {
-      why = "connect failed: " + errno_text(err);
+      why = "connect failed: " + detail::errno_text(err);
     }
   } catch (const std::runtime_error& e) {
     why = e.what();
@@ -467,8 +454,9 @@ void Backend::on_readable(const std::shared_ptr<Connection>& conn) {
     const int err = errno;
     if (err == EAGAIN || err == EWOULDBLOCK) return;
     if (err == EINTR) continue;
-    NETIO3_WARN("asyncmsg: connection with {}: receive failed: {}", conn->remote, errno_text(err));
-    close(conn, fmt::format("receive failed: {}", errno_text(err)), CloseCause::ERROR);
+    NETIO3_WARN("asyncmsg: connection with {}: receive failed: {}", conn->remote,
+                detail::errno_text(err));
+    close(conn, fmt::format("receive failed: {}", detail::errno_text(err)), CloseCause::ERROR);
     return;
   }
 }
@@ -606,8 +594,9 @@ void Backend::flush(const std::shared_ptr<Connection>& conn) {
         set_epollout(*conn, true);
         return;
       }
-      NETIO3_WARN("asyncmsg: connection with {}: send failed: {}", conn->remote, errno_text(err));
-      close(conn, fmt::format("send failed: {}", errno_text(err)), CloseCause::ERROR);
+      NETIO3_WARN("asyncmsg: connection with {}: send failed: {}", conn->remote,
+                  detail::errno_text(err));
+      close(conn, fmt::format("send failed: {}", detail::errno_text(err)), CloseCause::ERROR);
       return;
     }
     finished.clear();

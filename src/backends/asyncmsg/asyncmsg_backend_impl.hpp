@@ -10,7 +10,6 @@
 #include <chrono>
 #include <cstring>
 #include <deque>
-#include <list>
 #include <mutex>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -48,7 +47,6 @@ namespace netio3::asyncmsg {
 
 namespace asio = boost::asio;
 using tcp = asio::ip::tcp;
-using Clock = std::chrono::steady_clock;
 using namespace std::chrono_literals;
 
 constexpr std::string_view NAME = "asyncmsg";
@@ -67,10 +65,6 @@ constexpr int ACCEPTS_PER_EVENT = 64;
 constexpr auto LINGER_TIMEOUT = 2s;
 // Staging chunks kept for reuse by the backend's connections (8 MiB).
 constexpr std::size_t CACHED_CHUNKS = 32;
-
-inline std::string errno_text(int err) {
-  return std::system_category().message(err);
-}
 
 struct Listener {
   Listener(std::uint64_t id_, EndPointAddress address_, const ConnectionParameters& params_,
@@ -243,8 +237,6 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
   void assert_loop_thread() const noexcept { assert(m_loop->in_loop_thread()); }
 
   void on_acceptable(const std::shared_ptr<Listener>& listener, std::uint32_t /*events*/);
-
-  void pause_listener(const std::shared_ptr<Listener>& listener, const std::string& why);
 
   void accept_one(const std::shared_ptr<Listener>& listener, tcp::socket socket,
                   const tcp::endpoint& peer);

@@ -30,7 +30,8 @@ void Backend::on_acceptable(const std::shared_ptr<Listener>& listener, std::uint
       const int err = errno;
       if (err == EAGAIN || err == EWOULDBLOCK) return;
       if (err == EMFILE || err == ENFILE || err == ENOBUFS || err == ENOMEM) {
-        pause_listener(*listener, fmt::format("accept failed: {}", detail::errno_text(err)));
+        detail::pause_accepting(*listener,
+                                fmt::format("accept failed: {}", detail::errno_text(err)));
         return;
       }
       NETIO3_DEBUG("ucx: accept on {} failed: {}", listener->address, detail::errno_text(err));
@@ -39,9 +40,10 @@ void Backend::on_acceptable(const std::shared_ptr<Listener>& listener, std::uint
     if (detail::descriptor_table_nearly_full(socket.get())) {
       // Accepting on would leave UCX (and the application) no descriptor: UCX's tcp
       // transport gives up its listener for good when its own accept fails.
-      pause_listener(*listener, fmt::format("the descriptor table is nearly full (descriptor {} of "
-                                            "RLIMIT_NOFILE); the connection is refused",
-                                            socket.get()));
+      detail::pause_accepting(*listener,
+                              fmt::format("the descriptor table is nearly full (descriptor {} of "
+                                          "RLIMIT_NOFILE); the connection is refused",
+                                          socket.get()));
       return;
     }
     listener->pauses->accepted();
@@ -49,14 +51,6 @@ void Backend::on_acceptable(const std::shared_ptr<Listener>& listener, std::uint
     if (!remote) continue;
     accept_one(listener, std::move(socket), *remote);
   }
-}
-
-void Backend::pause_listener(Listener& listener, const std::string& why) {
-  listener.pauses->paused(why);
-  const std::lock_guard lock{listener.mutex};
-  if (listener.closed) return;
-  listener.fd.modify(0);
-  listener.resume.start_once(detail::AcceptPauses::BACKOFF);
 }
 
 void Backend::accept_one(const std::shared_ptr<Listener>& listener, detail::Socket socket,

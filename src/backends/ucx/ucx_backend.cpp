@@ -248,17 +248,9 @@ EndPointAddress Backend::open_listen_endpoint(const EndPointAddress& address,
     m_registry.check_listen_free(held, bound);
     listener->address = bound;
     listener->pauses.emplace(NAME, bound);
-    std::weak_ptr<Listener> weak_listener = listener;
     const std::lock_guard lock{listener->mutex};
     listener->socket = std::move(socket);
-    // Made now, while descriptors are to be had: it ends the pauses that descriptor
-    // exhaustion causes.
-    listener->resume = m_loop->create_timer([weak_listener] {
-      if (auto l = weak_listener.lock()) {
-        const std::lock_guard relock{l->mutex};
-        if (!l->closed) l->fd.modify(EPOLLIN);
-      }
-    });
+    listener->resume = detail::make_resume_timer(*m_loop, listener);
     listener->fd = m_loop->add_fd(listener->socket.get(), EPOLLIN,
                                   fd_callback<&Backend::on_acceptable>(listener));
   } catch (const ListenEndpointAlreadyExists&) {

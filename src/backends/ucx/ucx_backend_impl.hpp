@@ -300,8 +300,6 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
 
   void on_acceptable(const std::shared_ptr<Listener>& listener, std::uint32_t /*events*/);
 
-  void pause_listener(Listener& listener, const std::string& why);
-
   void accept_one(const std::shared_ptr<Listener>& listener, detail::Socket socket,
                   const EndPointAddress& remote);
 
