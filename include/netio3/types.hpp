@@ -133,11 +133,13 @@ struct NetworkLimits {
   // flushes its endpoint); what has not completed by then is reported as cancelled.
   // asyncmsg and libfabric close at once and do not use it.
   std::chrono::milliseconds close_timeout{std::chrono::seconds{2}};
-  // A peer that stops answering - a dead host, a cut link - ends the connection
-  // (on_connection_closed_cb) within about this time, whether data is being sent or the
-  // connection is idle (asyncmsg: TCP_USER_TIMEOUT and TCP keepalive on its sockets).
-  // libfabric's tcp provider and UCX's tcp transport manage their own sockets: there the
-  // kernel's settings decide (docs/reliability.md).
+  // A connection from which nothing arrived for this time - a dead host, a cut link, a hung
+  // peer process - is closed (on_connection_closed_cb, every accepted key ends once), whether
+  // data is being sent or the connection is idle. Every backend sends heartbeats in its own
+  // protocol every peer_timeout / 5 to a peer whose protocol version has them; a peer that
+  // is gone is noticed between about 4/5 of this time and this time plus 2/5 after it fell
+  // silent (docs/reliability.md). Peers of older versions get no heartbeats and are watched
+  // only through TCP (keepalive and TCP_USER_TIMEOUT on the sockets netio3 owns).
   std::chrono::milliseconds peer_timeout{std::chrono::seconds{30}};
 };
 

@@ -29,9 +29,10 @@ namespace netio3::detail {
 // whose end must come before the report; CLOSED: reported (or dropped unreported).
 enum class Phase : std::uint8_t { CONNECTING, HANDSHAKE, OPEN, CLOSING, CLOSED };
 
-// Why a connection ends: the application closed it (or its listener), the peer did, or an
-// error (refusals, timeouts and failures included).
-enum class CloseCause : std::uint8_t { LOCAL, PEER, ERROR };
+// Why a connection ends: the application closed it (or its listener), the peer did, an
+// error (refusals, timeouts and failures included), or the peer fell silent for
+// limits.peer_timeout (an error too, after which nothing is waited for from the peer).
+enum class CloseCause : std::uint8_t { LOCAL, PEER, ERROR, SILENT };
 
 struct ConnectionBase {
   ConnectionBase(std::uint64_t id_, EndPointAddress remote_, const ConnectionParameters& params_,
@@ -55,6 +56,13 @@ struct ConnectionBase {
   std::atomic<bool> close_requested{false};
   // Times this connection was opened again from a new source port (loop thread).
   int source_port_retries{0};
+  // Liveness (limits.peer_timeout, common/liveness.hpp), loop thread only. The transport
+  // counts what arrives from the peer in `arrivals`, and sets before established() what the
+  // peer's protocol version says: it sends heartbeats (then the connection is closed when
+  // nothing arrives for peer_timeout), it accepts them (then it is sent heartbeats).
+  std::uint64_t arrivals{0};
+  bool peer_sends_heartbeats{false};
+  bool peer_takes_heartbeats{false};
 
   // Guards what follows (and the backend's own per-connection state).
   mutable OptionalMutex mutex;

@@ -13,6 +13,8 @@
 //    transport implements the same way: close_active_endpoint, close_listen_endpoint,
 //    get_buffer, and send_buffer's bookkeeping;
 //  - set-up deadlines (limits.connect_timeout);
+//  - liveness (limits.peer_timeout): heartbeats to, and a deadline on silence from, every
+//    open connection whose peer's protocol has them (common/liveness.hpp);
 //  - the rule for reporting the end of a connection: from the loop thread, exactly once,
 //    with every accepted send that did not complete among the cancelled keys, once the
 //    transport holds nothing of the connection whose end must come first - and never
@@ -50,6 +52,7 @@
 #include "common/connection.hpp"
 #include "common/endpoint_registry.hpp"
 #include "common/endpoint_rules.hpp"
+#include "common/liveness.hpp"
 #include "common/log.hpp"
 #include "common/notifier.hpp"
 #include "common/send_ledger.hpp"
@@ -73,8 +76,14 @@ namespace netio3::detail {
 //    (Payload::COPY: it is copied before the call returns), after the engine's checks. A
 //    transport whose connections have a registered region (Conn::region) gets only payloads
 //    inside it; one that cannot copy declares static NO_COPY_SENDS (why, for NotSupported).
-// and may implement after_closed(conn): the connection is CLOSED (its end is about to be
-// reported): free what the transport kept for it. No callback.
+//  - send_heartbeat(conn): the connection is open and its peer takes heartbeats: send one
+//    (dropped when the transport has no room for it now; the next comes one period later).
+//    It may close the connection (the send failed), which may run the closed callback.
+// and may implement
+//  - after_closed(conn): the connection is CLOSED (its end is about to be reported): free
+//    what the transport kept for it. No callback.
+//  - receiving(conn) -> bool: false while the transport does not read the connection (the
+//    peer's silence is not judged then). Always true if absent.
 // How send_data's and send_data_copy's payload is handed to the transport.
 enum class Payload : std::uint8_t { REFERENCE, COPY };
 
@@ -87,6 +96,7 @@ concept TransportOf = requires(T& t, const std::shared_ptr<Conn>& conn, Conn& c,
   noexcept;
   { t.close_listener(std::shared_ptr<L>{}) } -> std::same_as<void>;
   { t.post_buffer(conn, buffer) } -> std::same_as<NetioStatus>;
+  { t.send_heartbeat(conn) } -> std::same_as<void>;
   {
     t.post_data(conn, std::span<const std::uint8_t>{}, std::span<const iovec>{}, Payload::COPY,
                 PendingSend{})
@@ -269,6 +279,9 @@ class ConnectionEngine {
         [weak](const std::shared_ptr<Conn>& conn, const std::string& reason) {
           if (auto self = weak.lock()) self->close(conn, reason, CloseCause::ERROR);
         });
+    m_liveness.emplace(*m_loop, m_config.limits.peer_timeout, [weak] {
+      if (auto self = weak.lock()) self->liveness_tick();
+    });
   }
 
   // `conn` must be open within limits.connect_timeout, or it is closed with the reason.
@@ -302,6 +315,7 @@ class ConnectionEngine {
       const std::lock_guard lock{conn->mutex};
       conn->phase = Phase::OPEN;
     }
+    if (conn->peer_sends_heartbeats || conn->peer_takes_heartbeats) m_liveness->watch(conn);
     m_notifier.established(conn->remote, caps);
     return still_open(*conn);
   }
@@ -414,6 +428,7 @@ class ConnectionEngine {
   bool begin_shutdown() noexcept {
     if (m_shut_down.exchange(true)) return false;
     if (m_setup) m_setup->close();
+    if (m_liveness) m_liveness->close();
     return true;
   }
   [[nodiscard]] bool shut_down() const noexcept {
@@ -452,6 +467,32 @@ class ConnectionEngine {
   Derived& derived() noexcept { return static_cast<Derived&>(*this); }
   const Derived& derived() const noexcept { return static_cast<const Derived&>(*this); }
 
+  // Heartbeats to every open connection whose peer takes them, and the end of those whose
+  // peer fell silent (common/liveness.hpp). From the liveness timer.
+  void liveness_tick() {
+    if (shut_down()) return;
+    const auto sweep = m_liveness->sweep([this](const Conn& conn) {
+      if constexpr (requires { std::as_const(derived()).receiving(conn); }) {
+        return std::as_const(derived()).receiving(conn);
+      } else {
+        return true;
+      }
+    });
+    for (const auto& conn : sweep.beat) {
+      derived().send_heartbeat(conn);
+      if (shut_down()) return;
+    }
+    for (const auto& conn : sweep.silent) {
+      const auto reason = fmt::format(
+          "nothing arrived from the peer for {} ms (limits.peer_timeout): the peer, its host or "
+          "the link is gone",
+          m_liveness->timeout().count());
+      NETIO3_WARN("{}: closing connection with {}: {}", m_name, conn->remote, reason);
+      close(conn, reason, CloseCause::SILENT);
+      if (shut_down()) return;
+    }
+  }
+
   // The one callback that applies (docs/semantics.md):
   //  - it had been open: on_connection_closed_cb with the cancelled keys;
   //  - an active endpoint never open: on_connection_closed_cb (no keys) when the application
@@ -473,6 +514,7 @@ class ConnectionEngine {
   std::atomic<bool> m_shut_down{false};
   std::atomic<std::uint64_t> m_next_id{1};
   std::optional<SetupDeadlines<Conn>> m_setup;  // set in start_engine()
+  std::optional<Liveness<Conn>> m_liveness;     // set in start_engine()
   // Loop thread only.
   int m_api_depth{0};                                                 // API calls in progress
   std::unordered_map<std::uint64_t, std::shared_ptr<Conn>> m_ending;  // CLOSING, by id

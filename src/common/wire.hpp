@@ -51,7 +51,9 @@ inline constexpr std::uint16_t UCX_CONTROL_MAJOR = 3;
 inline constexpr std::size_t GREETING_SIZE = 16;
 inline constexpr std::uint32_t GREETING_REFUSED_ADDRESS_IN_USE = 1U;
 inline constexpr std::size_t FRAME_HEADER_SIZE = 8;
-inline constexpr std::uint8_t FRAME_DATA = 1;  // asyncmsg's only frame type
+inline constexpr std::uint8_t FRAME_DATA = 1;
+// No body; sent by asyncmsg 1.2 to a 1.2 peer (common/liveness.hpp).
+inline constexpr std::uint8_t FRAME_HEARTBEAT = 2;
 // Lengths travel as 32-bit numbers.
 inline constexpr std::size_t WIRE_MAX_MESSAGE_SIZE = 0xFFFF'FFFFU;
 
@@ -62,7 +64,11 @@ struct FrameProtocol {
   std::uint16_t minor{};
   std::uint32_t frame_types{};  // bit t set: frame type t is accepted (t < 32)
 };
-inline constexpr FrameProtocol ASYNCMSG_PROTOCOL{"asyncmsg", ASYNCMSG_MAJOR, 1, 1U << FRAME_DATA};
+// 1.1: the refusal greeting; 1.2: HEARTBEAT frames, sent only to a peer whose greeting says
+// 1.2 or later (an older peer rejects the frame type).
+inline constexpr FrameProtocol ASYNCMSG_PROTOCOL{"asyncmsg", ASYNCMSG_MAJOR, 2,
+                                                 (1U << FRAME_DATA) | (1U << FRAME_HEARTBEAT)};
+inline constexpr std::uint16_t ASYNCMSG_HEARTBEAT_MINOR = 2;
 
 // The default major is asyncmsg's, whose greeting this layout was first.
 struct Greeting {

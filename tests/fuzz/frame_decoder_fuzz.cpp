@@ -47,6 +47,7 @@ using netio3::asyncmsg::GREETING_SIZE;
 using netio3::asyncmsg::MAGIC;
 using netio3::asyncmsg::VERSION_MAJOR;
 using netio3::asyncmsg::WIRE_MAX_MESSAGE_SIZE;
+using netio3::detail::FRAME_HEARTBEAT;
 using Status = FrameDecoder::Status;
 
 // Memory promises of the decoder (wire.hpp, wire.cpp and the "Memory and limits" table of
@@ -284,7 +285,8 @@ Expected reference(std::span<const std::uint8_t> s, std::size_t limit, std::size
     if (s.size() - pos < FRAME_HEADER_SIZE) return finish_ok(true);
     const std::uint8_t* h = s.data() + pos;
     const std::size_t length = le32(h);
-    if (h[4] != FRAME_DATA || h[5] != 0 || h[6] != 0 || h[7] != 0 || length > limit) {
+    if ((h[4] != FRAME_DATA && h[4] != FRAME_HEARTBEAT) || h[5] != 0 || h[6] != 0 || h[7] != 0 ||
+        length > limit) {
       e.status = Status::ERROR;
       e.end = pos + FRAME_HEADER_SIZE;
       return e;
@@ -587,7 +589,7 @@ class Run {
     // Re-encoded, the message gives back exactly the bytes it was decoded from.
     CHECK(want.begin == m_reencoded, want.begin, m_reencoded);
     std::uint8_t header[FRAME_HEADER_SIZE];
-    encode_frame_header(header, static_cast<std::uint32_t>(message.size()));
+    encode_frame_header(header, static_cast<std::uint32_t>(message.size()), m_decoder.frame_type());
     CHECK(std::memcmp(header, m_stream.data() + m_reencoded, FRAME_HEADER_SIZE) == 0);
     CHECK(message.empty() ||
           std::memcmp(message.data(), m_stream.data() + want.body_begin, message.size()) == 0);

@@ -12,6 +12,7 @@ namespace {
 
 constexpr std::uint8_t FRAME_HELLO = 2;
 constexpr std::uint8_t FRAME_CLOSE = 3;
+constexpr std::uint8_t FRAME_HEARTBEAT = 4;
 constexpr std::size_t HELLO_FIXED = 24;
 
 Bytes ucx_greeting() {
@@ -87,11 +88,14 @@ TEST_P(HostileUcx, MalformedControlFramesAreRefusedWithTheReason) {
     expect_dropped(peer, {reason});
     EXPECT_EQ(server_events(Recorder::Kind::ESTABLISHED, peer.local()), 0U);
   };
-  for (const std::uint8_t type : {0, 1, 4, 0x80, 0xFF}) {  // 1: asyncmsg's DATA
+  for (const std::uint8_t type : {0, 1, 5, 0x80, 0xFF}) {  // 1: asyncmsg's DATA
     Bytes frame = frame_header(16, type);
     append(frame, random_bytes(16, type));
     attack(frame, fmt::format("unknown frame type {}", type));
   }
+  Bytes heartbeat = frame_header(16, FRAME_HEARTBEAT);  // 3.2's HEARTBEAT has no body
+  append(heartbeat, random_bytes(16, FRAME_HEARTBEAT));
+  attack(heartbeat, "a HEARTBEAT of 16 bytes");
   attack(frame_header(8, FRAME_HELLO, {0, 1, 0}), "reserved frame header bytes are not zero");
   attack(frame_header(0x7FFF'FFFFU, FRAME_HELLO), "frame declares a message of 2147483647 bytes");
   Bytes close = frame_header(8, FRAME_CLOSE);

@@ -22,15 +22,35 @@ TEST(CmData, RoundTripsTheReceiveSize) {
 }
 
 TEST(CmData, LayoutIsLittleEndianWithMagicAndVersion) {
-  const auto bytes = encode_cm_data(CmData{0x0102030405060708ULL});
-  const std::vector<std::uint8_t> expected{'N', 'I', 'O', '3', 1, 0, 0, 0, 8, 7, 6, 5, 4, 3, 2, 1};
+  const auto bytes = encode_cm_data(CmData{.recv_buf_size = 0x0102030405060708ULL,
+                                           .flags = CM_SENDS_HEARTBEATS,
+                                           .heartbeat_token = 0x1112131415161718ULL});
+  const std::vector<std::uint8_t> expected{'N',  'I',  'O',  '3',  1,    0,    2,    0,
+                                           8,    7,    6,    5,    4,    3,    2,    1,
+                                           0x18, 0x17, 0x16, 0x15, 0x14, 0x13, 0x12, 0x11};
   EXPECT_EQ(std::vector<std::uint8_t>(bytes.begin(), bytes.end()), expected);
+}
+
+// A peer from before heartbeats sends (and reads) only the first 16 bytes: its data reads as
+// "no heartbeat token", and ours has its 16 bytes where it expects them.
+TEST(CmData, SixteenBytesOfAnOlderPeerMeanNoHeartbeats) {
+  const auto ours = encode_cm_data(
+      CmData{.recv_buf_size = 4096, .flags = CM_SENDS_HEARTBEATS, .heartbeat_token = 77});
+  std::string error;
+  const auto old = decode_cm_data(std::span{ours}.first(CM_DATA_MIN_SIZE), error);
+  ASSERT_TRUE(old.has_value()) << error;
+  EXPECT_EQ(old->recv_buf_size, 4096U);
+  EXPECT_EQ(old->heartbeat_token, 0U);
+  const auto full = decode_cm_data(ours, error);
+  ASSERT_TRUE(full.has_value()) << error;
+  EXPECT_EQ(full->heartbeat_token, 77U);
+  EXPECT_EQ(full->flags, CM_SENDS_HEARTBEATS);
 }
 
 TEST(CmData, ForeignOrShortDataIsRejectedWithAReason) {
   std::string error;
   auto bytes = encode_cm_data(CmData{64});
-  EXPECT_FALSE(decode_cm_data(std::span{bytes}.first(CM_DATA_SIZE - 1), error).has_value());
+  EXPECT_FALSE(decode_cm_data(std::span{bytes}.first(CM_DATA_MIN_SIZE - 1), error).has_value());
   EXPECT_NE(error.find("bytes"), std::string::npos) << error;
   EXPECT_FALSE(decode_cm_data({}, error).has_value());
   bytes[0] = 'X';

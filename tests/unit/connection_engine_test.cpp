@@ -446,6 +446,62 @@ TEST_P(Engine, SetUpMustEndWithinTheConnectTimeout) {
   EXPECT_EQ(conn(quick)->phase, detail::Phase::OPEN);
 }
 
+// limits.peer_timeout (common/liveness.hpp): a peer with heartbeats from which nothing arrives
+// is closed (its keys cancelled once); one that keeps sending, one without heartbeats and one
+// the transport is not reading are not; heartbeats go out every period to those that take them.
+TEST_P(Engine, APeerThatFallsSilentIsClosedAfterThePeerTimeout) {
+  constexpr auto TIMEOUT = 500ms;
+  const auto period = detail::heartbeat_period(TIMEOUT);
+  make([&](NetworkConfig& config) { config.limits.peer_timeout = TIMEOUT; });
+  LogCapture log;
+  const EndPointAddress silent{"10.0.5.1", 1};
+  const EndPointAddress talking{"10.0.5.1", 2};
+  const EndPointAddress old{"10.0.5.1", 3};
+  const EndPointAddress unread{"10.0.5.1", 4};
+  api([&] {
+    for (const auto& to : {silent, talking, old, unread})
+      backend->open_active_endpoint(to, params());
+  });
+  std::map<EndPointAddress, std::shared_ptr<FakeConnection>> c;
+  const auto started = std::chrono::steady_clock::now();
+  on_loop([&] {
+    for (const auto& to : {silent, talking, old, unread}) {
+      c[to] = fake->find(to);
+      fake->connected(c[to]);
+      fake->establish(c[to], to != old);
+    }
+    c[unread]->reading = false;
+  });
+  api([&] { ASSERT_EQ(send(silent, 1), NetioStatus::OK); });
+  // Something arrives from `talking` four times a timeout.
+  auto talk = loop.loop()->create_timer([&] { ++c[talking]->arrivals; });
+  talk.start(TIMEOUT / 4);
+  ASSERT_TRUE(rec.wait([&](const Recorder& r) { return r.count(Kind::CLOSED, silent) == 1; }));
+  const auto waited = std::chrono::steady_clock::now() - started;
+  EXPECT_GE(waited, TIMEOUT);
+  EXPECT_LT(waited, TIMEOUT + 3 * period + 1s);  // a loaded machine: generous
+  expect_keys_end_once(silent, {1});
+  EXPECT_TRUE(log.wait("nothing arrived from the peer for 500 ms (limits.peer_timeout)", 1));
+  // Three more timeouts: nobody else is closed, heartbeats keep going out.
+  int before = 0;
+  on_loop([&] { before = c[talking]->heartbeats_sent; });
+  EXPECT_TRUE(eventually(
+      [&] {
+        int sent = 0;
+        on_loop([&] { sent = c[talking]->heartbeats_sent; });
+        return sent >= before + 3 * detail::HEARTBEATS_PER_TIMEOUT;
+      },
+      10s));
+  on_loop([&] {
+    talk.close();
+    EXPECT_GE(c[silent]->heartbeats_sent, detail::HEARTBEATS_PER_TIMEOUT - 1);
+    EXPECT_EQ(c[old]->heartbeats_sent, 0);
+    EXPECT_GT(c[unread]->heartbeats_sent, 0);
+    for (const auto& to : {talking, old, unread}) EXPECT_EQ(c[to]->phase, detail::Phase::OPEN);
+  });
+  EXPECT_EQ(rec.count_now(Kind::CLOSED), 1U);
+}
+
 TEST_P(Engine, DestructionAbandonsEverythingWithoutACallback) {
   EndPointAddress listen;
   api([&] { listen = backend->open_listen_endpoint({"127.0.0.1", 0}, params()); });

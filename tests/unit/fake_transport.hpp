@@ -42,6 +42,8 @@ struct FakeConnection : detail::ConnectionBase {
   bool transport_closed{false};
   bool graceful{false};
   bool abandoned{false};
+  int heartbeats_sent{0};
+  bool reading{true};  // receiving(): false pauses the peer-timeout judgement
 };
 
 class FakeTransport : public detail::ConnectionEngine<FakeTransport, FakeConnection, FakeListener>,
@@ -123,8 +125,9 @@ class FakeTransport : public detail::ConnectionEngine<FakeTransport, FakeConnect
 
   void close_transport(const std::shared_ptr<FakeConnection>& conn) {
     conn->transport_closed = true;
-    conn->graceful =
-        conn->ending_info.was_open && conn->ending_info.cause != detail::CloseCause::ERROR;
+    const auto cause = conn->ending_info.cause;
+    conn->graceful = conn->ending_info.was_open &&
+                     (cause == detail::CloseCause::LOCAL || cause == detail::CloseCause::PEER);
     if (!conn->graceful) {
       const std::lock_guard lock{conn->mutex};
       conn->flight.clear();  // dropped: cancelled at the report
@@ -146,6 +149,10 @@ class FakeTransport : public detail::ConnectionEngine<FakeTransport, FakeConnect
 
   void close_listener(const std::shared_ptr<FakeListener>& listener) { listener->closed = true; }
 
+  void send_heartbeat(const std::shared_ptr<FakeConnection>& conn) { ++conn->heartbeats_sent; }
+
+  [[nodiscard]] static bool receiving(const FakeConnection& conn) { return conn.reading; }
+
   // ---- the fake network (the test calls these on the loop thread) ----------------------
 
   // The latest connection with `remote` (also while it is closing); null if none.
@@ -163,8 +170,11 @@ class FakeTransport : public detail::ConnectionEngine<FakeTransport, FakeConnect
     if (conn->phase == detail::Phase::CONNECTING) conn->phase = detail::Phase::HANDSHAKE;
   }
 
-  // Set-up is done; false when the caller must not go on.
-  bool establish(const std::shared_ptr<FakeConnection>& conn) {
+  // Set-up is done; false when the caller must not go on. `heartbeats`: the peer's protocol
+  // sends and takes heartbeats.
+  bool establish(const std::shared_ptr<FakeConnection>& conn, bool heartbeats = false) {
+    conn->peer_sends_heartbeats = heartbeats;
+    conn->peer_takes_heartbeats = heartbeats;
     return established(conn, EndpointCapabilities{.send_buffered = conn->send_pool != nullptr,
                                                   .send_copy = true,
                                                   .send_zero_copy = true,

@@ -401,14 +401,50 @@ bool Backend::on_greeting(const std::shared_ptr<Connection>& conn, const Greetin
   }
   NETIO3_DEBUG("asyncmsg: {} speaks protocol {}.{}, accepts messages up to {} bytes", conn->remote,
                greeting.major, greeting.minor, greeting.max_message_size);
+  // 1.2 and later send heartbeats and accept them; older peers neither (their silence is
+  // then noticed only through TCP: keepalive and TCP_USER_TIMEOUT, see configure_stream).
+  conn->peer_sends_heartbeats = greeting.minor >= detail::ASYNCMSG_HEARTBEAT_MINOR;
+  conn->peer_takes_heartbeats = conn->peer_sends_heartbeats;
   return established(conn, capabilities(*conn));
 }
 
 bool Backend::on_message(const std::shared_ptr<Connection>& conn,
                          std::span<const std::uint8_t> message) {
   if (!still_open(*conn)) return false;
+  if (conn->decoder.frame_type() == detail::FRAME_HEARTBEAT) [[unlikely]] {
+    if (message.empty()) return true;
+    const auto reason =
+        fmt::format("protocol error: a heartbeat frame with {} bytes of body", message.size());
+    NETIO3_WARN("asyncmsg: closing connection with {}: {}", conn->remote, reason);
+    close(conn, reason, CloseCause::ERROR);
+    return false;
+  }
   conn->large_messages = message.size() >= FrameDecoder::DIRECT_MIN;
   return deliver(*conn, message);
+}
+
+void Backend::send_heartbeat(const std::shared_ptr<Connection>& conn) {
+  std::array<std::uint8_t, FRAME_HEADER_SIZE> frame{};
+  encode_frame_header(frame.data(), 0, detail::FRAME_HEARTBEAT);
+  bool need_flush = false;
+  {
+    const std::lock_guard lock{conn->mutex};
+    if (conn->close_requested.load(std::memory_order_relaxed) || conn->phase != Phase::OPEN) return;
+    std::span<const std::uint8_t> rest{frame};
+    if (conn->queue.empty()) {
+      // Idle (the usual case): written at once. The socket is written on the loop thread
+      // only, and nothing is queued, so no write is in progress.
+      const ssize_t n = ::send(conn->socket.native_handle(), frame.data(), frame.size(),
+                               MSG_DONTWAIT | MSG_NOSIGNAL);
+      if (n > 0) rest = rest.subspan(static_cast<std::size_t>(n));
+      if (rest.empty()) return;
+    }
+    // Between two messages (appends are whole messages), outside max_unsent_bytes: 8 bytes
+    // a period. A failed write is found again (and reported) by the flush.
+    conn->queue.append_copy(rest);
+    need_flush = !std::exchange(conn->flush_pending, true);
+  }
+  if (need_flush) request_flush(conn);
 }
 
 void Backend::on_readable(const std::shared_ptr<Connection>& conn) {
@@ -431,6 +467,7 @@ void Backend::on_readable(const std::shared_ptr<Connection>& conn) {
     }
     const ssize_t n = ::recv(fd, target.data(), target.size(), MSG_DONTWAIT);
     if (n > 0) {
+      ++conn->arrivals;
       const auto got = static_cast<std::size_t>(n);
       const auto status =
           direct ? conn->decoder.commit_direct(got, on_message_cb)

@@ -183,6 +183,12 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
   // The kernel owns what was written: nothing to wait for.
   [[nodiscard]] static bool quiescent(const Connection& /*conn*/) { return true; }
 
+  // A HEARTBEAT frame, queued like a message (common/liveness.hpp).
+  void send_heartbeat(const std::shared_ptr<Connection>& conn);
+
+  // Not while the connection waits for receive memory: the peer's bytes wait in the kernel.
+  [[nodiscard]] static bool receiving(const Connection& conn) { return !conn.receive_paused; }
+
   // Drops a connection without callbacks (backend shutdown).
   static void abandon(Connection& conn) noexcept;
 

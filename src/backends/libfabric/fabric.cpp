@@ -145,13 +145,14 @@ std::array<std::uint8_t, CM_DATA_SIZE> encode_cm_data(const CmData& data) {
   detail::store_le16(out.data() + 4, CM_VERSION);
   detail::store_le16(out.data() + 6, data.flags);
   detail::store_le64(out.data() + 8, data.recv_buf_size);
+  detail::store_le64(out.data() + 16, data.heartbeat_token);
   return out;
 }
 
 std::optional<CmData> decode_cm_data(std::span<const std::uint8_t> bytes, std::string& error) {
-  if (bytes.size() < CM_DATA_SIZE) {
-    error = fmt::format("connection data of {} bytes, a netio3 peer sends {}", bytes.size(),
-                        CM_DATA_SIZE);
+  if (bytes.size() < CM_DATA_MIN_SIZE) {
+    error = fmt::format("connection data of {} bytes, a netio3 peer sends at least {}",
+                        bytes.size(), CM_DATA_MIN_SIZE);
     return std::nullopt;
   }
   if (!std::equal(CM_MAGIC.begin(), CM_MAGIC.end(), bytes.begin())) {
@@ -163,8 +164,10 @@ std::optional<CmData> decode_cm_data(std::span<const std::uint8_t> bytes, std::s
     error = fmt::format("connection data version {} (this side speaks {})", version, CM_VERSION);
     return std::nullopt;
   }
-  return CmData{.recv_buf_size = detail::load_le64(bytes.data() + 8),
-                .flags = detail::load_le16(bytes.data() + 6)};
+  return CmData{
+      .recv_buf_size = detail::load_le64(bytes.data() + 8),
+      .flags = detail::load_le16(bytes.data() + 6),
+      .heartbeat_token = bytes.size() >= CM_DATA_SIZE ? detail::load_le64(bytes.data() + 16) : 0};
 }
 
 Domain::Domain(const fi_info& info) : m_info{fi_dupinfo(&info)} {

@@ -75,18 +75,26 @@ struct ProviderChoice {
 // std::runtime_error with the failing step.
 [[nodiscard]] detail::Socket reserve_source_port(fi_info* info);
 
-// Connection-management data, sent with fi_connect and fi_accept (16 bytes, little endian):
+// Connection-management data, sent with fi_connect and fi_accept (24 bytes, little endian):
 //   0..3 magic "NIO3", 4..5 version 1, 6..7 flags, 8..15 receive buffer size (0: the
-//   endpoint cannot receive). A sender refuses messages larger than the peer's size.
-// Flags are 0, except in the data of fi_reject: CM_REFUSED_ADDRESS_IN_USE says that the
-// server has a connection from the client's source address and port already (docs/
-// semantics.md), and the client retries from another source port. Peers that ignore the
-// flags (and reject data) just see a refusal.
-inline constexpr std::size_t CM_DATA_SIZE = 16;
+//   endpoint cannot receive), 16..23 heartbeat token (0: none).
+// A sender refuses messages larger than the peer's size.
+// Flags: CM_REFUSED_ADDRESS_IN_USE, only in the data of fi_reject, says that the server has a
+// connection from the client's source address and port already (docs/semantics.md), and the
+// client retries from another source port. CM_SENDS_HEARTBEATS: this side sends heartbeats
+// (common/liveness.hpp) to a peer that announced a token: empty messages with remote CQ data
+// equal to that token (it names the connection also to a shared receive context).
+// The first 16 bytes are all that netio3 before heartbeats sent and read: such a peer ignores
+// the flag and the token (it gets no heartbeats and sends none), and its 16 bytes read as
+// "no token, no heartbeats".
+inline constexpr std::size_t CM_DATA_SIZE = 24;
+inline constexpr std::size_t CM_DATA_MIN_SIZE = 16;
 inline constexpr std::uint16_t CM_REFUSED_ADDRESS_IN_USE = 1;
+inline constexpr std::uint16_t CM_SENDS_HEARTBEATS = 2;
 struct CmData {
   std::uint64_t recv_buf_size{};
   std::uint16_t flags{};
+  std::uint64_t heartbeat_token{};
 };
 [[nodiscard]] std::array<std::uint8_t, CM_DATA_SIZE> encode_cm_data(const CmData& data);
 // nullopt (and `error` set) for data that is not a netio3 peer's.
@@ -126,6 +134,10 @@ class Domain {
   }
   [[nodiscard]] std::size_t iov_limit() const noexcept { return m_info->tx_attr->iov_limit; }
   [[nodiscard]] std::size_t tx_depth() const noexcept { return m_info->tx_attr->size; }
+  // Bytes of remote CQ data a message can carry (0: none).
+  [[nodiscard]] std::size_t cq_data_size() const noexcept {
+    return m_info->domain_attr->cq_data_size;
+  }
   [[nodiscard]] bool has_shared_rx() const noexcept {
     return m_info->domain_attr->max_ep_srx_ctx > 0;
   }

@@ -137,7 +137,7 @@ void Backend::open_active_endpoint(const EndPointAddress& address,
   m_registry.index(conn);
   m_registry.add_connection(held, conn);
   track_setup(conn);
-  const auto data = encode_cm_data(CmData{receive_size(*conn)});
+  const auto data = encode_cm_data(own_cm_data(*conn));
   const int rc = fi_connect(conn->ep.get(), info->dest_addr, data.data(), data.size());
   if (rc != 0) {
     // Reported like a refusal, from the loop (never from inside this call).
@@ -310,8 +310,9 @@ std::shared_ptr<Connection> Backend::make_connection(const EndPointAddress& remo
   // can send: a receive-only connection costs no memory per transmit-queue entry.
   const bool zero_copy = zc.mr_start != nullptr;
   const bool can_send = zero_copy || conn->send_pool != nullptr;
+  // One entry of the transmit queue is left for heartbeats (send_heartbeat).
   const std::size_t depth =
-      can_send ? std::clamp<std::size_t>(domain.tx_depth(), 1, MAX_SEND_DEPTH) : 0;
+      can_send ? std::clamp<std::size_t>(domain.tx_depth(), 2, MAX_SEND_DEPTH + 1) - 1 : 0;
   if (zero_copy) {
     conn->header_slots.resize(depth);
     conn->header_mr = domain.register_memory(

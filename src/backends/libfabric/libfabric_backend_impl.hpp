@@ -121,6 +121,7 @@ struct Connection : detail::ConnectionBase {
 
   // Under `mutex`.
   std::size_t peer_recv_size{0};
+  std::uint64_t peer_heartbeat_token{0};  // the CQ data of heartbeats to the peer
   std::uint64_t unsent_bytes{0};
   void* send_desc{nullptr};
   Fid<fid_mr> send_mr;
@@ -185,6 +186,9 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
                         std::span<const std::uint8_t> header, std::span<const iovec> iov,
                         Payload payload, detail::PendingSend pending);
 
+  // An empty message with remote CQ data, injected (common/liveness.hpp).
+  void send_heartbeat(const std::shared_ptr<Connection>& conn);
+
  private:
   [[nodiscard]] bool safe() const noexcept { return m_thread.safe(); }
 
@@ -238,6 +242,12 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
   static std::size_t receive_size(const Connection& conn) {
     return conn.recv ? conn.recv->pool.buf_size() : 0;
   }
+
+  // The connection data this side sends for `conn` (fabric.hpp): heartbeats where the
+  // provider carries remote CQ data, a token where the connection can receive.
+  [[nodiscard]] static CmData own_cm_data(const Connection& conn);
+  // The peer's connection data: its receive size and what it does with heartbeats.
+  static void take_peer_cm_data(Connection& conn, const CmData& peer);
 
   // ---- connections -----------------------------------------------------------------
 
@@ -295,6 +305,12 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
   void on_completion_error(Domain& domain, const fi_cq_err_entry& err);
 
   void on_received(Op& op, std::size_t len);
+
+  // A heartbeat (an empty message with remote CQ data: the token) arrived into `op`.
+  void on_heartbeat(Op& op, std::uint64_t token);
+
+  // Posts a connection's own receive buffer again (closes the connection if that fails).
+  void repost(Op& op, Connection& conn);
 
   void repost_shared(Op& op);
 

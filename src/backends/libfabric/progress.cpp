@@ -188,6 +188,11 @@ void Backend::on_completion(const fi_cq_data_entry& entry) {
   if (op == nullptr) return;
   if (op->kind == Op::Kind::RECV) {
     op->recv->posted.fetch_sub(1, std::memory_order_relaxed);
+    // Only heartbeats carry remote CQ data.
+    if ((entry.flags & FI_REMOTE_CQ_DATA) != 0) [[unlikely]] {
+      on_heartbeat(*op, entry.data);
+      return;
+    }
     on_received(*op, entry.len);
   } else {
     on_send_done(*op, true, {});
@@ -236,13 +241,65 @@ void Backend::on_received(Op& op, std::size_t len) {
     if (!shut_down()) repost_shared(op);
     return;
   }
+  ++conn->arrivals;
   // Closing: the buffer is not posted again.
   if (!still_open(*conn) || !deliver(*conn, bytes)) return;
+  repost(op, *conn);
+}
+
+void Backend::repost(Op& op, Connection& conn) {
   try {
-    post_receive(op, conn->ep.get());
+    post_receive(op, conn.ep.get());
   } catch (const std::runtime_error& e) {
-    if (auto shared = m_registry.by_id(conn->id)) close(shared, e.what(), CloseCause::ERROR);
+    if (auto shared = m_registry.by_id(conn.id)) close(shared, e.what(), CloseCause::ERROR);
   }
+}
+
+void Backend::on_heartbeat(Op& op, std::uint64_t token) {
+  Connection* conn = op.conn;
+  if (conn == nullptr) {  // a shared receive context: the token names the connection
+    if (const auto named = m_registry.by_id(token)) ++named->arrivals;
+    repost_shared(op);
+    return;
+  }
+  ++conn->arrivals;
+  if (still_open(*conn)) repost(op, *conn);
+}
+
+void Backend::send_heartbeat(const std::shared_ptr<Connection>& conn) {
+  static constexpr std::uint8_t NOTHING = 0;
+  ssize_t rc = 0;
+  {
+    const std::lock_guard lock{conn->mutex};
+    if (conn->close_requested.load(std::memory_order_relaxed) || conn->phase != Phase::OPEN) {
+      return;
+    }
+    // No completion, no context: nothing of ours for the provider to hold. make_connection
+    // leaves one entry of the transmit queue for it.
+    rc = fi_injectdata(conn->ep.get(), &NOTHING, 0, conn->peer_heartbeat_token, 0);
+  }
+  if (rc != 0) {
+    NETIO3_DEBUG("libfabric: heartbeat to {} not sent now: {}", conn->remote, fi_error(rc));
+  }
+}
+
+CmData Backend::own_cm_data(const Connection& conn) {
+  const std::size_t bytes = conn.domain->cq_data_size();
+  const bool heartbeats = bytes >= sizeof(std::uint32_t);
+  // The token must fit the CQ data (verbs: 4 bytes); connection ids count from 1.
+  const bool fits = bytes >= sizeof(std::uint64_t) || conn.id < (std::uint64_t{1} << (8 * bytes));
+  return CmData{.recv_buf_size = receive_size(conn),
+                .flags = heartbeats ? CM_SENDS_HEARTBEATS : std::uint16_t{0},
+                .heartbeat_token = heartbeats && fits && conn.recv ? conn.id : 0};
+}
+
+void Backend::take_peer_cm_data(Connection& conn, const CmData& peer) {
+  const CmData own = own_cm_data(conn);
+  conn.peer_sends_heartbeats = (peer.flags & CM_SENDS_HEARTBEATS) != 0 && own.heartbeat_token != 0;
+  conn.peer_takes_heartbeats = peer.heartbeat_token != 0 && (own.flags & CM_SENDS_HEARTBEATS) != 0;
+  const std::lock_guard lock{conn.mutex};
+  conn.peer_recv_size = peer.recv_buf_size;
+  conn.peer_heartbeat_token = peer.heartbeat_token;
 }
 
 void Backend::post_receive(Op& op, fid_ep* target) const {
@@ -322,7 +379,7 @@ void Backend::on_eq_error(Domain& domain, const fi_eq_err_entry& err) {
 }
 
 bool Backend::refused_address_in_use(const fi_eq_err_entry& err) {
-  if (err.err_data == nullptr || err.err_data_size < CM_DATA_SIZE) return false;
+  if (err.err_data == nullptr || err.err_data_size < CM_DATA_MIN_SIZE) return false;
   std::string ignored;
   const auto data =
       decode_cm_data({static_cast<const std::uint8_t*>(err.err_data), err.err_data_size}, ignored);
@@ -371,7 +428,7 @@ bool Backend::reconnect_from_new_source_port(const std::shared_ptr<Connection>& 
   }
   track_setup(conn);
   close(old, "superseded", CloseCause::ERROR, false);
-  const auto data = encode_cm_data(CmData{receive_size(*conn)});
+  const auto data = encode_cm_data(own_cm_data(*conn));
   const int rc = fi_connect(conn->ep.get(), info->dest_addr, data.data(), data.size());
   if (rc != 0) {
     // Reported from the loop, after the event being handled.
@@ -442,7 +499,7 @@ void Backend::on_connection_request(Domain& domain, const fi_eq_cm_entry& entry,
     try {
       conn = make_connection(*remote, listener->params, listener->id, domain, Phase::HANDSHAKE,
                              listener->shared_recv ? listener->shared_recv : global_recv(domain));
-      conn->peer_recv_size = peer->recv_buf_size;
+      take_peer_cm_data(*conn, *peer);
       open_endpoint(*conn, info.get());
     } catch (const std::exception& e) {
       reject(e.what());
@@ -452,7 +509,7 @@ void Backend::on_connection_request(Domain& domain, const fi_eq_cm_entry& entry,
     m_registry.add_connection(held, conn);
   }
   track_setup(conn);
-  const auto reply = encode_cm_data(CmData{receive_size(*conn)});
+  const auto reply = encode_cm_data(own_cm_data(*conn));
   const int rc = fi_accept(conn->ep.get(), reply.data(), reply.size());
   if (rc != 0) {
     close(conn, fmt::format("fi_accept failed: {}", fi_error(rc)), CloseCause::ERROR);
@@ -471,8 +528,7 @@ void Backend::on_connected(const std::shared_ptr<Connection>& conn,
       close(conn, error, CloseCause::ERROR);
       return;
     }
-    const std::lock_guard lock{conn->mutex};
-    conn->peer_recv_size = peer->recv_buf_size;
+    take_peer_cm_data(*conn, *peer);
   }
   if (conn->setting_up()) (void)established(conn, capabilities(*conn));
 }
@@ -480,7 +536,8 @@ void Backend::on_connected(const std::shared_ptr<Connection>& conn,
 void Backend::close_transport(const std::shared_ptr<Connection>& conn) {
   m_registry.forget(conn->id);
   const auto& ending = conn->ending_info;
-  if (conn->ep && ending.was_open && ending.cause != CloseCause::PEER) {
+  if (conn->ep && ending.was_open &&
+      (ending.cause == CloseCause::LOCAL || ending.cause == CloseCause::ERROR)) {
     fi_shutdown(conn->ep.get(), 0);
   }
   retire(conn);

@@ -24,7 +24,25 @@ void Backend::close_transport(const std::shared_ptr<Connection>& conn) {
       drop_control(*conn);
     }
   }
-  if (ending.cause == CloseCause::ERROR) {
+  if (ending.cause == CloseCause::SILENT) {
+    // The peer's control channel fell silent: its process, host or link is gone, and the
+    // sends UCX holds for it would wait for close_timeout. The endpoint to it is closed by
+    // force (after this close; it ends every connection with that worker, which shares its
+    // fate), so that UCX lets go of them now.
+    drop_control(*conn);
+    std::shared_ptr<Endpoint> endpoint;
+    {
+      const std::lock_guard lock{conn->mutex};
+      endpoint = conn->ep;
+    }
+    if (endpoint) {
+      std::weak_ptr<Backend> weak = weak_from_this();
+      m_loop->post([weak, endpoint, why = ending.reason] {
+        if (auto self = weak.lock(); self && !self->shut_down())
+          self->close_endpoint(endpoint, why);
+      });
+    }
+  } else if (ending.cause == CloseCause::ERROR) {
     // A CLOSE all the same, so that the peer does not take the end of the control channel
     // for the death of this process (on_control_end), which would end its other connections.
     if (conn->control.valid() && conn->control_out.empty() && ending.was_open) {

@@ -176,9 +176,16 @@ void Backend::read_control(const std::shared_ptr<Connection>& conn) {
   for (int i = 0; i < READS_PER_EVENT; ++i) {
     const ssize_t n = ::recv(conn->control.get(), buffer.data(), buffer.size(), MSG_DONTWAIT);
     if (n > 0) {
+      ++conn->arrivals;
       const auto status = conn->decoder.feed(
           std::span<const std::uint8_t>{buffer.data(), static_cast<std::size_t>(n)},
-          [&](const detail::Greeting&) { return true; },
+          [&](const detail::Greeting& greeting) {
+            // 3.2 and later send heartbeats and accept them (older peers: TCP keepalive on
+            // this channel, detail::configure_stream).
+            conn->peer_sends_heartbeats = greeting.minor >= HEARTBEAT_MINOR;
+            conn->peer_takes_heartbeats = conn->peer_sends_heartbeats;
+            return true;
+          },
           [&](std::span<const std::uint8_t> frame) { return on_control_frame(conn, frame); });
       if (!control_active(*conn)) return;
       if (status == detail::FrameDecoder::Status::ERROR) {
@@ -237,6 +244,10 @@ bool Backend::on_control_frame(const std::shared_ptr<Connection>& conn,
                                std::span<const std::uint8_t> frame) {
   if (conn->decoder.frame_type() == FRAME_HELLO) {
     on_hello(conn, frame);
+  } else if (conn->decoder.frame_type() == FRAME_HEARTBEAT) {
+    if (!frame.empty()) {
+      protocol_error_now(conn, fmt::format("a HEARTBEAT of {} bytes", frame.size()));
+    }
   } else {
     const auto total = decode_close(frame);
     if (!total) {
@@ -252,6 +263,14 @@ bool Backend::on_control_frame(const std::shared_ptr<Connection>& conn,
     }
   }
   return control_active(*conn);
+}
+
+void Backend::send_heartbeat(const std::shared_ptr<Connection>& conn) {
+  // Not once the peer announced its close: it half-closed and is finishing.
+  if (conn->phase != Phase::OPEN || conn->peer_total || !conn->control.valid()) return;
+  std::array<std::uint8_t, detail::FRAME_HEADER_SIZE> frame{};
+  detail::encode_frame_header(frame.data(), 0, FRAME_HEARTBEAT);
+  write_control(conn, frame);
 }
 
 void Backend::on_hello(const std::shared_ptr<Connection>& conn,

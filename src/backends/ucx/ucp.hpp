@@ -176,6 +176,9 @@ struct AmHeader {
 
 inline constexpr std::uint8_t FRAME_HELLO = 2;
 inline constexpr std::uint8_t FRAME_CLOSE = 3;
+// No body; sent by 3.2 to a 3.2 peer (common/liveness.hpp).
+inline constexpr std::uint8_t FRAME_HEARTBEAT = 4;
+inline constexpr std::uint16_t HEARTBEAT_MINOR = 2;
 inline constexpr std::uint8_t BACKEND_UCX = 3;
 inline constexpr std::size_t HELLO_FIXED_SIZE = 24;
 inline constexpr std::size_t CLOSE_SIZE = 8;
@@ -183,8 +186,10 @@ inline constexpr std::size_t CLOSE_SIZE = 8;
 // are a few hundred bytes; one with many devices a few KiB).
 inline constexpr std::size_t MAX_WORKER_ADDRESS = std::size_t{64} << 10U;
 inline constexpr std::size_t MAX_CONTROL_FRAME = HELLO_FIXED_SIZE + MAX_WORKER_ADDRESS;
-inline constexpr detail::FrameProtocol CONTROL_PROTOCOL{"ucx", detail::UCX_CONTROL_MAJOR, 1,
-                                                        (1U << FRAME_HELLO) | (1U << FRAME_CLOSE)};
+// 3.1: the refusal greeting; 3.2: HEARTBEAT frames, sent only to a 3.2 peer.
+inline constexpr detail::FrameProtocol CONTROL_PROTOCOL{
+    "ucx", detail::UCX_CONTROL_MAJOR, HEARTBEAT_MINOR,
+    (1U << FRAME_HELLO) | (1U << FRAME_CLOSE) | (1U << FRAME_HEARTBEAT)};
 
 struct Hello {
   std::uint8_t mode{};  // 0 tcp, 1 rdma

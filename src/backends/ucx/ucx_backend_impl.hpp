@@ -482,6 +482,10 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
 
   void after_closed(const std::shared_ptr<Connection>& conn) { release_if_idle(conn); }
 
+  // A HEARTBEAT frame on the control channel (common/liveness.hpp): the peer's process and
+  // host are alive and its loop runs. What arrives on the control channel is counted.
+  void send_heartbeat(const std::shared_ptr<Connection>& conn);
+
  private:
   // Messages sent on the connection so far (the count a CLOSE announces).
   static std::uint64_t sent(const Connection& conn);
