@@ -296,6 +296,15 @@ std::size_t descriptor_reserve(std::size_t soft_limit) {
   return std::max<std::size_t>(16, soft_limit / 16);
 }
 
+bool out_of_descriptors() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd >= 0) {
+    ::close(fd);
+    return false;
+  }
+  return errno == EMFILE || errno == ENFILE;
+}
+
 bool descriptor_table_nearly_full(int fd) {
   rlimit limit{};
   if (fd < 0 || ::getrlimit(RLIMIT_NOFILE, &limit) != 0) return false;

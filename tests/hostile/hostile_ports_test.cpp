@@ -291,8 +291,8 @@ TEST_P(Ports, EveryListeningSocketSurvivesHostileBytesAndAFloodAndServesAfter) {
     // before the next port's flood and the client: a slow build (TSan) takes seconds for it,
     // and a client queued behind 1100 closed connections would not be greeted in time.
     EXPECT_TRUE(eventually([&] { return open_descriptors(pid) <= baseline + 8; }, 60s))
-        << "the server still holds " << open_descriptors(pid) << " descriptors ("
-        << baseline << " before the flood)\n"
+        << "the server still holds " << open_descriptors(pid) << " descriptors (" << baseline
+        << " before the flood)\n"
         << server_log();
   }
   expect_service();
@@ -301,7 +301,6 @@ TEST_P(Ports, EveryListeningSocketSurvivesHostileBytesAndAFloodAndServesAfter) {
   EXPECT_EQ(server->wait(Clock::now() + 30s), 0) << server_log();
 }
 
-// libfabric is not in this one: its tcp provider spins at the descriptor limit, issue 15.
 class PortsAtTheLimit : public Ports {};
 
 TEST_P(PortsAtTheLimit, TheListenerPausesLogsOnceAndRecovers) {
@@ -357,6 +356,7 @@ INSTANTIATE_TEST_SUITE_P(Servers, Ports,
                          target_name);
 INSTANTIATE_TEST_SUITE_P(Servers, PortsAtTheLimit,
                          ::testing::Values(Target{BackendType::ASYNCMSG, NetworkMode::TCP},
+                                           Target{BackendType::LIBFABRIC, NetworkMode::TCP},
                                            Target{BackendType::UCX, NetworkMode::TCP},
                                            Target{BackendType::UCX, NetworkMode::RDMA}),
                          target_name);

@@ -106,6 +106,10 @@ EndPointAddress Backend::open_listen_endpoint(const EndPointAddress& address,
   m_registry.check_listen_free(held, actual);
   m_registry.index(listener);
   m_registry.add_listener(held, actual, std::move(listener));
+  {
+    const std::lock_guard lock{m_domains_mutex};
+    if (!domain.first_listener) domain.first_listener = actual;
+  }
   NETIO3_DEBUG("libfabric: listening on {} (provider {})", actual, domain.provider());
   return actual;
 }
@@ -197,15 +201,21 @@ Domain& Backend::domain_for(const fi_info& info) {
   // shut_down() before touching the domain again.
   fds.eq = m_loop->add_fd(d->eq_fd(), EPOLLIN, [weak, d](std::uint32_t) {
     auto self = weak.lock();
-    if (!self) return;
+    if (!self || d->eq_paused) return;
     const std::size_t handled = self->drain_eq(*d);
-    if (!self->shut_down()) self->on_wait_fd(*d, handled);
+    if (self->shut_down()) return;
+    if (handled == 0 && self->pause_if_out_of_descriptors(*d)) return;
+    self->on_wait_fd(*d, handled);
   });
   fds.cq = m_loop->add_fd(d->cq_fd(), EPOLLIN, [weak, d](std::uint32_t) {
     auto self = weak.lock();
     if (!self) return;
     const std::size_t handled = self->drain_cq(*d);
     if (!self->shut_down()) self->on_wait_fd(*d, handled);
+  });
+  // Made now, while descriptors are to be had (a timerfd is one).
+  fds.resume = m_loop->create_timer([weak, d] {
+    if (auto self = weak.lock(); self && !self->shut_down()) self->resume_eq(*d);
   });
   m_domain_fds.push_back(std::move(fds));
   m_domains.push_back(std::move(domain));

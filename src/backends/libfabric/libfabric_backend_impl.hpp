@@ -221,6 +221,7 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
   struct DomainFds {
     FdHandle eq;
     FdHandle cq;
+    EventTimerHandle resume;  // ends an accept pause (pause_if_out_of_descriptors)
   };
 
   Domain& domain_for(const fi_info& info);
@@ -286,6 +287,14 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
 
   // A wait fd woke the loop and `handled` events were behind it.
   void on_wait_fd(Domain& domain, std::size_t handled);
+
+  // The event queue woke the loop, or kept it from sleeping, with nothing to report. At the
+  // descriptor limit that is the tcp provider failing to accept (tcpx_accept in 1.17 returns
+  // on EMFILE and leaves the request in the backlog, so the listening socket in the queue's
+  // wait set stays readable): the queue is then left out of the loop for
+  // AcceptPauses::BACKOFF, logged once per episode. True when it paused.
+  bool pause_if_out_of_descriptors(Domain& domain);
+  void resume_eq(Domain& domain);
 
   // Shutdown: reads what is left on `domain`'s event queue, refusing connection requests
   // (callbacks are off: nothing else is reported).

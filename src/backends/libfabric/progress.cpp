@@ -63,7 +63,7 @@ void Backend::drain_all() {
   for (std::size_t i = 0; i < domains.size(); ++i) {
     Domain* d = domains[i];
     if (shut_down()) return;
-    drain_eq(*d);
+    if (!d->eq_paused) drain_eq(*d);
     if (shut_down()) return;
     drain_cq(*d);
   }
@@ -79,7 +79,7 @@ bool Backend::may_sleep() {
     // drives the provider's progress) instead of arming them.
     for (std::size_t i = 0; i < domains.size(); ++i) {
       Domain* d = domains[i];
-      if (drain_eq(*d) > 0) sleep = false;
+      if (!d->eq_paused && drain_eq(*d) > 0) sleep = false;
       if (shut_down()) return true;
       if (drain_cq(*d) > 0) sleep = false;
       if (shut_down()) return true;
@@ -88,16 +88,48 @@ bool Backend::may_sleep() {
   }
   for (std::size_t i = 0; i < domains.size(); ++i) {
     Domain* d = domains[i];
-    std::array<fid*, 2> fids{&d->eq()->fid, &d->cq()->fid};
-    if (fi_trywait(d->fabric(), fids.data(), static_cast<int>(fids.size())) != FI_SUCCESS) {
+    // A paused event queue is not asked: its listening socket stays readable.
+    std::array<fid*, 2> fids{&d->cq()->fid, &d->eq()->fid};
+    const int count = d->eq_paused ? 1 : 2;
+    if (fi_trywait(d->fabric(), fids.data(), count) != FI_SUCCESS) {
       sleep = false;
-      drain_eq(*d);
+      const std::size_t events = d->eq_paused ? 0 : drain_eq(*d);
       if (shut_down()) return true;
-      drain_cq(*d);
+      const std::size_t completions = drain_cq(*d);
       if (shut_down()) return true;
+      if (events + completions == 0 && !d->eq_paused) pause_if_out_of_descriptors(*d);
     }
   }
   return sleep;
+}
+
+bool Backend::pause_if_out_of_descriptors(Domain& domain) {
+  if (domain.eq_paused || !detail::out_of_descriptors()) return false;
+  if (!domain.accept_pauses) {
+    const std::lock_guard lock{m_domains_mutex};
+    domain.accept_pauses.emplace(
+        NAME, domain.first_listener.value_or(EndPointAddress{std::string{domain.provider()}, 0}));
+  }
+  domain.accept_pauses->paused(
+      "no file descriptor left (RLIMIT_NOFILE or the system's table); the provider cannot "
+      "accept");
+  domain.eq_paused = true;
+  domain.spurious_wakeups = 0;
+  const std::lock_guard lock{m_domains_mutex};
+  for (std::size_t i = 0; i < m_domains.size(); ++i) {
+    if (m_domains[i].get() != &domain) continue;
+    m_domain_fds[i].eq.modify(0);
+    m_domain_fds[i].resume.start_once(detail::AcceptPauses::BACKOFF);
+  }
+  return true;
+}
+
+void Backend::resume_eq(Domain& domain) {
+  domain.eq_paused = false;
+  const std::lock_guard lock{m_domains_mutex};
+  for (std::size_t i = 0; i < m_domains.size(); ++i) {
+    if (m_domains[i].get() == &domain) m_domain_fds[i].eq.modify(EPOLLIN);
+  }
 }
 
 void Backend::on_wait_fd(Domain& domain, std::size_t handled) {
@@ -345,6 +377,7 @@ void Backend::on_cm_event(Domain& domain, std::uint32_t event, const fi_eq_cm_en
                           std::span<const std::uint8_t> data) {
   switch (event) {
     case FI_CONNREQ:
+      if (domain.accept_pauses) domain.accept_pauses->accepted();
       on_connection_request(domain, entry, data);
       break;
     case FI_CONNECTED:
