@@ -296,13 +296,17 @@ std::size_t descriptor_reserve(std::size_t soft_limit) {
   return std::max<std::size_t>(16, soft_limit / 16);
 }
 
-bool out_of_descriptors() {
+std::string descriptor_shortage() {
   const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd >= 0) {
-    ::close(fd);
-    return false;
+  if (fd < 0) {
+    const int err = errno;
+    if (err != EMFILE && err != ENFILE) return {};
+    return fmt::format("no file descriptor left ({})", errno_text(err));
   }
-  return errno == EMFILE || errno == ENFILE;
+  const bool nearly_full = descriptor_table_nearly_full(fd);
+  ::close(fd);
+  if (!nearly_full) return {};
+  return fmt::format("the descriptor table is nearly full (descriptor {} of RLIMIT_NOFILE)", fd);
 }
 
 bool descriptor_table_nearly_full(int fd) {

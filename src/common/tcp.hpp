@@ -132,9 +132,10 @@ bool descriptor_table_nearly_full(int fd);
 // Descriptors kept free under the soft limit (for the transports and the rest of the
 // process): 1/16 of the limit, at least 16.
 std::size_t descriptor_reserve(std::size_t soft_limit);
-// True when the process cannot make a descriptor now (EMFILE, or ENFILE: the system's
-// table); probes with a socket that it closes again.
-bool out_of_descriptors();
+// Why the process is short of descriptors now: none can be made (EMFILE, or ENFILE: the
+// system's table), or the table is nearly full (descriptor_table_nearly_full); empty when
+// it is not. Probes with a socket that it closes again.
+std::string descriptor_shortage();
 
 // A listener's accept pauses: one warning when they begin (with the reason), debug lines
 // while they go on, one line when accepting works again. Loop thread only.

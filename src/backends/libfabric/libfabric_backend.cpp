@@ -204,7 +204,8 @@ Domain& Backend::domain_for(const fi_info& info) {
     if (!self || d->eq_paused) return;
     const std::size_t handled = self->drain_eq(*d);
     if (self->shut_down()) return;
-    if (handled == 0 && self->pause_if_out_of_descriptors(*d)) return;
+    // A flood fills the table without any event: the provider accepts on its own.
+    if (self->pause_if_short_of_descriptors(*d)) return;
     self->on_wait_fd(*d, handled);
   });
   fds.cq = m_loop->add_fd(d->cq_fd(), EPOLLIN, [weak, d](std::uint32_t) {

@@ -288,12 +288,13 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
   // A wait fd woke the loop and `handled` events were behind it.
   void on_wait_fd(Domain& domain, std::size_t handled);
 
-  // The event queue woke the loop, or kept it from sleeping, with nothing to report. At the
-  // descriptor limit that is the tcp provider failing to accept (tcpx_accept in 1.17 returns
-  // on EMFILE and leaves the request in the backlog, so the listening socket in the queue's
-  // wait set stays readable): the queue is then left out of the loop for
-  // AcceptPauses::BACKOFF, logged once per episode. True when it paused.
-  bool pause_if_out_of_descriptors(Domain& domain);
+  // After the event queue was read (by its fd, or by the prepare hook with nothing to
+  // report): while the descriptor table is nearly full or exhausted, the queue is left out
+  // of the loop for AcceptPauses::BACKOFF, logged once per episode, so that the tcp provider
+  // stops accepting - it accepts on its own when the queue is read, and at the limit it spins
+  // (tcpx_accept in 1.17 returns on EMFILE and leaves the connection in the backlog, so the
+  // listening socket in the queue's wait set stays readable). True when it paused.
+  bool pause_if_short_of_descriptors(Domain& domain);
   void resume_eq(Domain& domain);
 
   // Shutdown: reads what is left on `domain`'s event queue, refusing connection requests

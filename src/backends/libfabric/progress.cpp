@@ -97,22 +97,22 @@ bool Backend::may_sleep() {
       if (shut_down()) return true;
       const std::size_t completions = drain_cq(*d);
       if (shut_down()) return true;
-      if (events + completions == 0 && !d->eq_paused) pause_if_out_of_descriptors(*d);
+      if (events + completions == 0 && !d->eq_paused) pause_if_short_of_descriptors(*d);
     }
   }
   return sleep;
 }
 
-bool Backend::pause_if_out_of_descriptors(Domain& domain) {
-  if (domain.eq_paused || !detail::out_of_descriptors()) return false;
+bool Backend::pause_if_short_of_descriptors(Domain& domain) {
+  if (domain.eq_paused) return false;
+  const std::string shortage = detail::descriptor_shortage();
+  if (shortage.empty()) return false;
   if (!domain.accept_pauses) {
     const std::lock_guard lock{m_domains_mutex};
     domain.accept_pauses.emplace(
         NAME, domain.first_listener.value_or(EndPointAddress{std::string{domain.provider()}, 0}));
   }
-  domain.accept_pauses->paused(
-      "no file descriptor left (RLIMIT_NOFILE or the system's table); the provider cannot "
-      "accept");
+  domain.accept_pauses->paused(shortage);
   domain.eq_paused = true;
   domain.spurious_wakeups = 0;
   const std::lock_guard lock{m_domains_mutex};
