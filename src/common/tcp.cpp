@@ -194,13 +194,15 @@ int connect_result(int fd) {
 }
 
 std::string configure_stream(int fd, std::chrono::milliseconds peer_timeout) {
-  // TCP_USER_TIMEOUT bounds how long sent data may stay unacknowledged; keepalive probes
-  // (after half the time idle, then three more) find a peer that vanished while nothing
-  // was being sent.
+  // A backstop behind netio3's heartbeats (common/liveness.hpp), which end a silent
+  // connection between peer_timeout and 1.4 times it, and the only watch on a peer of an
+  // older protocol version: after 1.5 times peer_timeout. TCP_USER_TIMEOUT bounds how long
+  // sent data may stay unacknowledged; keepalive probes (after half the time idle, then three
+  // a third of it apart) find a peer that vanished while nothing was being sent.
   const auto ms = peer_timeout.count();
-  const int user_timeout = static_cast<int>(std::min<std::int64_t>(ms, INT32_MAX));
+  const int user_timeout = static_cast<int>(std::min<std::int64_t>(ms + ms / 2, INT32_MAX));
   const int idle = static_cast<int>(std::clamp<std::int64_t>(ms / 2000, 1, 32767));
-  const int interval = static_cast<int>(std::clamp<std::int64_t>(ms / 6000, 1, 32767));
+  const int interval = static_cast<int>(std::clamp<std::int64_t>(ms / 3000, 1, 32767));
   const int count = 3;
   const int on = 1;
   const std::array<std::tuple<int, int, const int*, const char*>, 6> options{{

@@ -98,8 +98,8 @@ int connect_result(int fd);
 // connection must be treated as refused.
 bool connected_to_itself(int fd);
 
-// TCP_NODELAY, and limits.peer_timeout as TCP_USER_TIMEOUT plus keepalive probes. Returns an
-// error text, empty if all were set.
+// TCP_NODELAY, and 1.5 times limits.peer_timeout as TCP_USER_TIMEOUT plus keepalive probes
+// (a backstop behind the heartbeats). Returns an error text, empty if all were set.
 std::string configure_stream(int fd, std::chrono::milliseconds peer_timeout);
 
 // The addresses of a connected socket; nullopt on error.
