@@ -7,4 +7,5 @@
 #include <netio3/log.hpp>
 #include <netio3/network_backend.hpp>
 #include <netio3/network_buffer.hpp>
+#include <netio3/statistics.hpp>
 #include <netio3/types.hpp>

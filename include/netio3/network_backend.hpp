@@ -9,6 +9,7 @@
 #include <netio3/event_loop.hpp>
 #include <netio3/exceptions.hpp>
 #include <netio3/network_buffer.hpp>
+#include <netio3/statistics.hpp>
 #include <netio3/types.hpp>
 
 namespace netio3 {
@@ -85,6 +86,16 @@ class NetworkBackend {
                                      std::uint64_t key) = 0;
 
   [[nodiscard]] virtual BackendType type() const noexcept = 0;
+
+  // ---- statistics (netio3/statistics.hpp): any thread, any thread-safety model --------
+
+  // One connection's counters (open or being set up). Throws InvalidEndpointAddress,
+  // UnknownActiveEndpoint.
+  [[nodiscard]] virtual ConnectionStatistics statistics(const EndPointAddress& address) const = 0;
+  // Every connection's (open or being set up), e.g. for a monitoring timer on the loop.
+  [[nodiscard]] virtual std::vector<ConnectionStatistics> connection_statistics() const = 0;
+  // The backend's totals, including connections that have ended.
+  [[nodiscard]] virtual BackendStatistics backend_statistics() const = 0;
 };
 
 // Largest header_data accepted by send_data and send_data_copy.

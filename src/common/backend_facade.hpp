@@ -85,6 +85,15 @@ class BackendFacade final : public NetworkBackend {
     return m_impl->send_data_copy(address, iov, header_data, key);
   }
   [[nodiscard]] BackendType type() const noexcept override { return Impl::TYPE; }
+  [[nodiscard]] ConnectionStatistics statistics(const EndPointAddress& address) const override {
+    return m_impl->statistics(address);
+  }
+  [[nodiscard]] std::vector<ConnectionStatistics> connection_statistics() const override {
+    return m_impl->connection_statistics();
+  }
+  [[nodiscard]] BackendStatistics backend_statistics() const override {
+    return m_impl->backend_statistics();
+  }
 
  private:
   std::shared_ptr<BaseEventLoop> m_loop;

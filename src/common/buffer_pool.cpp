@@ -1,5 +1,6 @@
 #include "common/buffer_pool.hpp"
 
+#include <algorithm>
 #include <cstdlib>
 #include <limits>
 #include <memory>
@@ -66,6 +67,7 @@ NetworkBuffer* BufferPool::acquire() noexcept {
   if (m_free.empty()) return nullptr;
   const auto id = m_free.back();
   m_free.pop_back();
+  m_high_water = std::max(m_high_water, m_count - m_free.size());
   m_state[id] = State::LENT;
   NetworkBuffer& buffer = m_buffers.get()[id];
   buffer.clear();
@@ -108,6 +110,11 @@ void BufferPool::release(NetworkBuffer* buffer) noexcept {
 std::size_t BufferPool::free_count() const noexcept {
   const std::lock_guard lock{m_mutex};
   return m_free.size();
+}
+
+std::size_t BufferPool::high_water() const noexcept {
+  const std::lock_guard lock{m_mutex};
+  return m_high_water;
 }
 
 }  // namespace netio3::detail

@@ -52,6 +52,8 @@ class BufferPool {
   [[nodiscard]] std::size_t num_buf() const noexcept { return m_count; }
   [[nodiscard]] std::size_t headroom() const noexcept { return m_headroom; }
   [[nodiscard]] std::size_t free_count() const noexcept;
+  // The most buffers lent out or in flight at once so far.
+  [[nodiscard]] std::size_t high_water() const noexcept;
 
  private:
   enum class State : std::uint8_t { FREE, LENT, IN_FLIGHT };
@@ -74,6 +76,7 @@ class BufferPool {
   std::size_t m_count{0};
   std::vector<State> m_state;
   std::vector<std::uint32_t> m_free;  // LIFO: the most recently used buffer is warm in cache
+  std::size_t m_high_water{0};
   mutable OptionalMutex m_mutex;
 };
 

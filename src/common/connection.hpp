@@ -4,6 +4,7 @@
 // of the send API that do not depend on the transport.
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -71,6 +72,17 @@ struct ConnectionBase {
   SendLedger ledger;
   BufferPool* send_pool{nullptr};  // shared or own_send_pool; null: no buffered sending
   std::unique_ptr<BufferPool> own_send_pool;
+
+  // Statistics beside the ledger's counts (ConnectionStatistics), relaxed atomics: the
+  // send calls' refusals (any thread), what was delivered (written on the loop thread only).
+  struct Counters {
+    std::atomic<std::uint64_t> no_resources{0};
+    std::atomic<std::uint64_t> failed{0};
+    std::atomic<std::uint64_t> messages_received{0};
+    std::atomic<std::uint64_t> bytes_received{0};
+  };
+  mutable Counters counters;
+  std::chrono::steady_clock::time_point established_at{};  // under `mutex`
 
   // How it ends, from the moment it is CLOSING (loop thread only).
   struct Ending {

@@ -27,17 +27,20 @@
 //
 // What the transport implements is the concept TransportOf below.
 
+#include <algorithm>
 #include <atomic>
 #include <cassert>
 #include <concepts>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <span>
 #include <string>
 #include <string_view>
 #include <sys/uio.h>
 #include <tuple>
+#include <type_traits>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -46,6 +49,7 @@
 #include <netio3/event_loop.hpp>
 #include <netio3/exceptions.hpp>
 #include <netio3/network_buffer.hpp>
+#include <netio3/statistics.hpp>
 #include <netio3/types.hpp>
 
 #include "common/buffer_pool.hpp"
@@ -161,24 +165,22 @@ class ConnectionEngine {
     const ApiCall call{*this, "send_buffer"};
     const auto conn = m_registry.get(address, "send_buffer");
     BufferPool* pool = claim_send_buffer(*conn, buffer, m_name);
-    if (pool == nullptr) return NetioStatus::FAILED;
+    if (pool == nullptr) return counted(*conn, NetioStatus::FAILED);
     const NetioStatus status = derived().post_buffer(conn, buffer);
     if (status != NetioStatus::OK) pool->abort_send(buffer);
-    return status;
+    return counted(*conn, status);
   }
 
   NetioStatus send_data(const EndPointAddress& address, std::span<const iovec> iov,
                         std::span<const std::uint8_t> header, std::uint64_t key) {
     const ApiCall call{*this, "send_data"};
-    std::shared_ptr<Conn> conn;
+    const auto conn = m_registry.get(address, "send_data");
+    if (!header_ok(address, header, m_name)) return counted(*conn, NetioStatus::FAILED);
     if constexpr (requires(Conn & c) { std::span<const std::uint8_t>{c.region}; }) {
-      conn = zero_copy_target(address, iov, header);
-      if (!conn) return NetioStatus::FAILED;
-    } else {
-      conn = m_registry.get(address, "send_data");
-      if (!header_ok(address, header, m_name)) return NetioStatus::FAILED;
+      if (!inside_zero_copy_region(*conn, iov)) return counted(*conn, NetioStatus::FAILED);
     }
-    return derived().post_data(conn, header, iov, Payload::REFERENCE, PendingSend{key, nullptr});
+    return counted(*conn, derived().post_data(conn, header, iov, Payload::REFERENCE,
+                                              PendingSend{key, nullptr, total_size(header, iov)}));
   }
 
   NetioStatus send_data_copy(const EndPointAddress& address, std::span<const iovec> iov,
@@ -189,8 +191,79 @@ class ConnectionEngine {
       throw NotSupported(
           fmt::format("{}: send_data_copy is not supported {}", m_name, Derived::NO_COPY_SENDS));
     }
-    if (!header_ok(address, header, m_name)) return NetioStatus::FAILED;
-    return derived().post_data(conn, header, iov, Payload::COPY, PendingSend{key, nullptr});
+    if (!header_ok(address, header, m_name)) return counted(*conn, NetioStatus::FAILED);
+    return counted(*conn, derived().post_data(conn, header, iov, Payload::COPY,
+                                              PendingSend{key, nullptr, total_size(header, iov)}));
+  }
+
+  // ---- statistics (any thread) -----------------------------------------------------------
+  // Read under the connections' locks; with ThreadSafetyModel::UNSAFE those are off, and a
+  // call from another thread is run on the loop, between two of its events.
+
+  [[nodiscard]] ConnectionStatistics statistics(const EndPointAddress& address) {
+    if (!m_thread.safe() && !m_loop->in_loop_thread()) {
+      return on_loop([&] { return statistics(address); });
+    }
+    std::shared_ptr<Conn> conn;
+    {
+      const auto held = m_registry.lock();
+      conn = m_registry.find(held, address);
+    }
+    if (!conn) {
+      check_address(address, "statistics");
+      throw UnknownActiveEndpoint(
+          fmt::format("{}: statistics: no connection with {}", m_name, address));
+    }
+    return snapshot(*conn);
+  }
+
+  [[nodiscard]] std::vector<ConnectionStatistics> connection_statistics() {
+    if (!m_thread.safe() && !m_loop->in_loop_thread()) {
+      return on_loop([&] { return connection_statistics(); });
+    }
+    std::vector<std::shared_ptr<Conn>> all;
+    {
+      const auto held = m_registry.lock();
+      all = m_registry.connections(held);
+    }
+    std::vector<ConnectionStatistics> out;
+    out.reserve(all.size());
+    for (const auto& conn : all) out.push_back(snapshot(*conn));
+    return out;
+  }
+
+  [[nodiscard]] BackendStatistics backend_statistics() {
+    if (!m_thread.safe() && !m_loop->in_loop_thread()) {
+      return on_loop([&] { return backend_statistics(); });
+    }
+    std::vector<std::shared_ptr<Conn>> all;
+    {
+      const auto held = m_registry.lock();
+      all = m_registry.connections(held);
+    }
+    BackendStatistics total;
+    {
+      // Closing connections, then those that ended: a connection is in m_ending before it
+      // leaves the registry, and its counts are in m_ended before it leaves m_ending, so
+      // none is missed; one seen twice is counted once (by id).
+      const std::lock_guard lock{m_ending_mutex};
+      for (const auto& [id, conn] : m_ending) {
+        if (std::ranges::none_of(all, [&](const auto& c) { return c->id == id; })) {
+          all.push_back(conn);
+        }
+      }
+      total = m_ended;
+    }
+    for (const auto& conn : all) {
+      const auto s = snapshot(*conn);
+      if (s.open) {
+        ++total.connections_open;
+      } else if (conn->setting_up()) {
+        ++total.connections_set_up;
+      }
+      add_counts(total, s);
+    }
+    return total;
   }
 
  protected:
@@ -228,30 +301,26 @@ class ConnectionEngine {
     return call;
   }
 
-  // send_data's checks for a transport that sends zero-copy from the connection's registered
-  // region (Conn::region, under its mutex): the connection, or null (logged) when the header
-  // is too long or a piece lies outside the region. Throws NotSupported without a region.
-  std::shared_ptr<Conn> zero_copy_target(const EndPointAddress& address, std::span<const iovec> iov,
-                                         std::span<const std::uint8_t> header) requires
+  // send_data's check for a transport that sends zero-copy from the connection's registered
+  // region (Conn::region, under its mutex): false (logged) when a piece lies outside it.
+  // Throws NotSupported without a region.
+  bool inside_zero_copy_region(const Conn& conn, std::span<const iovec> iov) const requires
       requires(Conn& c) {
     std::span<const std::uint8_t>{c.region};
   }
   {
-    auto conn = m_registry.get(address, "send_data");
-    if (!header_ok(address, header, m_name)) return nullptr;
     std::span<const std::uint8_t> region;
     {
-      const std::lock_guard lock{conn->mutex};
-      region = conn->region;
+      const std::lock_guard lock{conn.mutex};
+      region = conn.region;
     }
     if (region.empty()) {
       throw NotSupported(
           fmt::format("{}: send_data to {}: the endpoint was opened without a zero-copy region "
                       "(send_zero_copy_params.mr_start)",
-                      m_name, address));
+                      m_name, conn.remote));
     }
-    if (!inside_region(address, iov, region, m_name)) return nullptr;
-    return conn;
+    return inside_region(conn.remote, iov, region, m_name);
   }
 
   // A loop callback for an fd of `target` (a connection or listener): calls
@@ -314,6 +383,7 @@ class ConnectionEngine {
     {
       const std::lock_guard lock{conn->mutex};
       conn->phase = Phase::OPEN;
+      conn->established_at = std::chrono::steady_clock::now();
     }
     if (conn->peer_sends_heartbeats || conn->peer_takes_heartbeats) m_liveness->watch(conn);
     m_notifier.established(conn->remote, caps);
@@ -329,6 +399,12 @@ class ConnectionEngine {
 
   // on_data_cb; false when the connection (or the backend) stopped in the callback.
   bool deliver(const Conn& conn, std::span<const std::uint8_t> bytes) {
+    // One writer (the loop thread): a load and a store, no locked instruction.
+    auto& c = conn.counters;
+    c.messages_received.store(c.messages_received.load(std::memory_order_relaxed) + 1,
+                              std::memory_order_relaxed);
+    c.bytes_received.store(c.bytes_received.load(std::memory_order_relaxed) + bytes.size(),
+                           std::memory_order_relaxed);
     m_notifier.data(conn.remote, bytes);
     return still_open(conn);
   }
@@ -367,10 +443,14 @@ class ConnectionEngine {
                                               .was_open = previous == Phase::OPEN,
                                               .report = report};
     {
+      // Before it leaves the registry: backend_statistics() always finds it somewhere.
+      const std::lock_guard lock{m_ending_mutex};
+      m_ending.emplace(conn->id, conn);  // kept until reported (or the backend goes)
+    }
+    {
       const auto held = m_registry.lock();
       m_registry.remove(held, conn);
     }
-    m_ending.emplace(conn->id, conn);  // kept until reported (or the backend goes)
     derived().close_transport(conn);
     finish(conn);
   }
@@ -405,7 +485,13 @@ class ConnectionEngine {
       conn->phase = Phase::CLOSED;
       keys = cancel_all_sends(conn->ledger, conn->send_pool);
     }
-    m_ending.erase(conn->id);
+    {
+      const auto ended = snapshot(*conn);
+      const std::lock_guard lock{m_ending_mutex};
+      add_counts(m_ended, ended);
+      if (conn->ending_info.report) ++m_ended.connections_closed;  // not: replaced (a retry)
+      m_ending.erase(conn->id);
+    }
     if constexpr (requires { derived().after_closed(conn); }) derived().after_closed(conn);
     if (!conn->ending_info.report) return true;
     if (m_api_depth > 0) {
@@ -450,6 +536,7 @@ class ConnectionEngine {
       all.listeners = std::move(contents.listeners);
       all.connections = std::move(contents.connections);
     }
+    const std::lock_guard lock{m_ending_mutex};
     for (auto& [id, conn] : m_ending) all.connections.push_back(std::move(conn));
     m_ending.clear();
     return all;
@@ -466,6 +553,75 @@ class ConnectionEngine {
  private:
   Derived& derived() noexcept { return static_cast<Derived&>(*this); }
   const Derived& derived() const noexcept { return static_cast<const Derived&>(*this); }
+
+  // f() on the loop thread, its result here (exceptions too).
+  template <typename F>
+  auto on_loop(F&& f) {
+    std::invoke_result_t<F> out{};
+    m_loop->run_sync([&] { out = f(); });
+    return out;
+  }
+
+  // Counts a send call's result on the connection's statistics.
+  static NetioStatus counted(const Conn& conn, NetioStatus status) noexcept {
+    if (status == NetioStatus::NO_RESOURCES) {
+      conn.counters.no_resources.fetch_add(1, std::memory_order_relaxed);
+    } else if (status == NetioStatus::FAILED) {
+      conn.counters.failed.fetch_add(1, std::memory_order_relaxed);
+    }
+    return status;
+  }
+
+  static std::uint64_t total_size(std::span<const std::uint8_t> header,
+                                  std::span<const iovec> iov) noexcept {
+    std::uint64_t size = header.size();
+    for (const auto& v : iov) size += v.iov_len;
+    return size;
+  }
+
+  // A connection's statistics now (its lock for a moment).
+  ConnectionStatistics snapshot(const Conn& conn) const {
+    ConnectionStatistics s;
+    s.remote = conn.remote;
+    const BufferPool* pool = nullptr;
+    {
+      const std::lock_guard lock{conn.mutex};
+      const auto& counts = conn.ledger.counts();
+      s.open = conn.phase == Phase::OPEN && !conn.close_requested.load(std::memory_order_relaxed);
+      if (conn.phase >= Phase::OPEN &&
+          conn.established_at != std::chrono::steady_clock::time_point{}) {
+        s.age = std::chrono::steady_clock::now() - conn.established_at;
+      }
+      s.sends_accepted = counts.accepted;
+      s.sends_completed = counts.completed;
+      s.sends_cancelled = counts.cancelled;
+      s.bytes_sent = counts.bytes_completed;
+      s.keys_in_flight = conn.ledger.outstanding();
+      if constexpr (requires { Derived::queued_bytes(conn); }) {
+        s.bytes_queued = Derived::queued_bytes(conn);
+      }
+      pool = conn.send_pool;
+    }
+    if (pool != nullptr) s.send_buffers_high_water = pool->high_water();
+    s.sends_no_resources = conn.counters.no_resources.load(std::memory_order_relaxed);
+    s.sends_failed = conn.counters.failed.load(std::memory_order_relaxed);
+    s.messages_received = conn.counters.messages_received.load(std::memory_order_relaxed);
+    s.bytes_received = conn.counters.bytes_received.load(std::memory_order_relaxed);
+    return s;
+  }
+
+  static void add_counts(BackendStatistics& total, const ConnectionStatistics& s) noexcept {
+    total.sends_accepted += s.sends_accepted;
+    total.sends_completed += s.sends_completed;
+    total.sends_cancelled += s.sends_cancelled;
+    total.sends_no_resources += s.sends_no_resources;
+    total.sends_failed += s.sends_failed;
+    total.bytes_sent += s.bytes_sent;
+    total.keys_in_flight += s.keys_in_flight;
+    total.bytes_queued += s.bytes_queued;
+    total.messages_received += s.messages_received;
+    total.bytes_received += s.bytes_received;
+  }
 
   // Heartbeats to every open connection whose peer takes them, and the end of those whose
   // peer fell silent (common/liveness.hpp). From the liveness timer.
@@ -516,8 +672,11 @@ class ConnectionEngine {
   std::optional<SetupDeadlines<Conn>> m_setup;  // set in start_engine()
   std::optional<Liveness<Conn>> m_liveness;     // set in start_engine()
   // Loop thread only.
-  int m_api_depth{0};                                                 // API calls in progress
-  std::unordered_map<std::uint64_t, std::shared_ptr<Conn>> m_ending;  // CLOSING, by id
+  int m_api_depth{0};  // API calls in progress
+  // CLOSING, by id (written on the loop thread), and the counts of those that ended.
+  mutable std::mutex m_ending_mutex;
+  std::unordered_map<std::uint64_t, std::shared_ptr<Conn>> m_ending;
+  BackendStatistics m_ended;
 };
 
 }  // namespace netio3::detail

@@ -149,6 +149,14 @@ class EndpointRegistry {
 
   // ---- connections ---------------------------------------------------------------------
 
+  // Every registered connection (open or being set up).
+  [[nodiscard]] std::vector<std::shared_ptr<Conn>> connections(const Lock& /*held*/) const {
+    std::vector<std::shared_ptr<Conn>> all;
+    all.reserve(m_connections.size());
+    for (const auto& [address, conn] : m_connections) all.push_back(conn);
+    return all;
+  }
+
   [[nodiscard]] std::shared_ptr<Conn> find(const Lock& /*held*/,
                                            const EndPointAddress& address) const {
     const auto it = m_connections.find(address);

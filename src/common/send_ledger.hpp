@@ -23,19 +23,31 @@ namespace netio3::detail {
 struct PendingSend {
   std::uint64_t key{};
   NetworkBuffer* buffer{};  // buffered sends: returned to the pool when the send ends
+  std::uint64_t bytes{};    // header_data + payload (buffered sends: the buffer's size)
 };
 
 class SendLedger {
  public:
   using Ticket = std::uint64_t;
 
+  // What the ledger has seen (ConnectionStatistics).
+  struct Counts {
+    std::uint64_t accepted{};
+    std::uint64_t completed{};
+    std::uint64_t cancelled{};
+    std::uint64_t bytes_completed{};
+  };
+
   [[nodiscard]] bool closed() const noexcept { return m_closed; }
   [[nodiscard]] std::size_t outstanding() const noexcept { return m_outstanding; }
+  [[nodiscard]] const Counts& counts() const noexcept { return m_counts; }
 
   Ticket add(PendingSend send) {
     assert(!m_closed);
+    if (send.buffer != nullptr) send.bytes = send.buffer->size();
     m_entries.push_back(Entry{send, false});
     ++m_outstanding;
+    ++m_counts.accepted;
     return m_base + m_entries.size() - 1;
   }
 
@@ -46,6 +58,7 @@ class SendLedger {
     (void)ticket;
     m_entries.pop_back();
     --m_outstanding;
+    --m_counts.accepted;
   }
 
   // Completes one ticket; false (and nothing changes) if it is unknown, already ended, or
@@ -57,6 +70,8 @@ class SendLedger {
     entry.done = true;
     out = entry.send;
     --m_outstanding;
+    ++m_counts.completed;
+    m_counts.bytes_completed += entry.send.bytes;
     while (!m_entries.empty() && m_entries.front().done) {
       m_entries.pop_front();
       ++m_base;
@@ -73,6 +88,7 @@ class SendLedger {
     }
     m_base += m_entries.size();
     m_entries.clear();
+    m_counts.cancelled += m_outstanding;
     m_outstanding = 0;
     m_closed = true;
     return cancelled;
@@ -87,6 +103,7 @@ class SendLedger {
   Ticket m_base{0};  // ticket of m_entries.front()
   std::size_t m_outstanding{0};
   bool m_closed{false};
+  Counts m_counts;
 };
 
 // Cancels every open send of a connection (closing its ledger): the buffers of buffered

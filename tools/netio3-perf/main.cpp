@@ -10,7 +10,7 @@
 // Run options: --backend asyncmsg|libfabric|ucx  --mode tcp|rdma
 //   --send buffered|zero-copy|copy  --test throughput|latency  --size N[,N...] (k/m: KiB/MiB)
 //   --duration SECONDS  --connections N  --threads N (0: send from the loop thread)
-//   --window N  --verify light|full  --warmup N  --busy-poll US  --json FILE  --quiet
+//   --window N  --verify light|full  --warmup N  --busy-poll US  --json FILE  --quiet  --stats
 //
 // Exit status: 0 when every message arrived intact, 1 when one did not, 2 for bad options,
 // 3 when a run could not be done (no connection, a stall, a failed send).
@@ -67,6 +67,8 @@ run options:
                                      NETIO3_BUSY_POLL_US); also for --server
   --json FILE                        append one JSON record per run (JSON Lines)
   --quiet                            no progress line
+  --stats                            print the client backend's statistics after each run
+                                     (NetworkBackend::backend_statistics)
 exit status: 0 every message arrived intact, 1 something was lost or corrupted,
              2 bad options, 3 a run could not be done
 )";
@@ -88,8 +90,8 @@ struct UsageError : std::runtime_error {
 };
 
 Args parse_args(int argc, char** argv) {
-  static const std::vector<std::string> FLAGS{"server", "loopback", "quiet", "list-backends",
-                                              "help"};
+  static const std::vector<std::string> FLAGS{"server", "loopback",      "quiet",
+                                              "stats",  "list-backends", "help"};
   static const std::vector<std::string> VALUES{
       "client", "backend", "mode",   "send", "test", "size", "duration", "connections", "threads",
       "window", "verify",  "warmup", "json", "bind", "port", "max-size", "busy-poll"};
@@ -292,6 +294,7 @@ int run_clients(const Args& args, bool loopback) {
   base.warmup = parse_number("warmup", args.get("warmup", "1000"));
   base.progress = !args.flag("quiet") && ::isatty(STDERR_FILENO) == 1;
   base.busy_poll = busy_poll(args);
+  base.stats = args.flag("stats");
   const auto sizes = parse_sizes(args.get("size", "4k"));
   const std::string json_path = args.get("json", "");
 
@@ -355,6 +358,17 @@ int run_clients(const Args& args, bool loopback) {
                                  r.intact ? "intact" : "NOT INTACT: " + r.error);
       }
       std::cout << std::endl;
+      if (r.stats) {
+        const auto& s = *r.stats;
+        std::cout << fmt::format(
+                         "  stats: connections closed {}, sends accepted {} completed {} "
+                         "cancelled {} no_resources {} failed {}, bytes sent {}, in flight {}, "
+                         "queued {} B, received {} messages {} B",
+                         s.connections_closed, s.sends_accepted, s.sends_completed,
+                         s.sends_cancelled, s.sends_no_resources, s.sends_failed, s.bytes_sent,
+                         s.keys_in_flight, s.bytes_queued, s.messages_received, s.bytes_received)
+                  << std::endl;
+      }
       if (!r.intact) status = std::max(status, EXIT_LOST);
     }
     if (!json_path.empty()) {

@@ -805,6 +805,7 @@ RunResult Run::execute() {
         return std::all_of(m_conns.begin(), m_conns.end(), [](const auto& c) { return c->closed; });
       },
       CLOSE_TIMEOUT);
+  if (m_options.stats) result.stats = m_backend->backend_statistics();
   return result;
 }
 

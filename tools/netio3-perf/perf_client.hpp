@@ -33,6 +33,7 @@ struct ClientOptions {
   // EpollEventLoop::Options::busy_poll; none: what EpollEventLoop() takes from the
   // environment (NETIO3_BUSY_POLL_US).
   std::optional<std::chrono::microseconds> busy_poll;
+  bool stats{false};  // RunResult::stats
 };
 
 struct RunResult {
@@ -48,6 +49,8 @@ struct RunResult {
   double server_cpu_ns_per_msg{0};                // the server process (from its report)
   std::optional<double> p50_us, p99_us, p999_us;  // latency: round trip
   std::size_t window{0};
+  // --stats: the client backend's statistics after the connections closed.
+  std::optional<BackendStatistics> stats;
 };
 
 [[nodiscard]] std::shared_ptr<EpollEventLoop> make_loop(

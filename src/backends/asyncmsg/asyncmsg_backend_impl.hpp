@@ -186,6 +186,12 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
   // A HEARTBEAT frame, queued like a message (common/liveness.hpp).
   void send_heartbeat(const std::shared_ptr<Connection>& conn);
 
+  // Statistics (under the connection's lock): bytes not yet written to the socket, frame
+  // headers included.
+  [[nodiscard]] static std::uint64_t queued_bytes(const Connection& conn) {
+    return conn.queue.unsent_bytes();
+  }
+
   // Not while the connection waits for receive memory: the peer's bytes wait in the kernel.
   [[nodiscard]] static bool receiving(const Connection& conn) { return !conn.receive_paused; }
 

@@ -186,6 +186,11 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
                         std::span<const std::uint8_t> header, std::span<const iovec> iov,
                         Payload payload, detail::PendingSend pending);
 
+  // Statistics (under the connection's lock): bytes posted and not completed.
+  [[nodiscard]] static std::uint64_t queued_bytes(const Connection& conn) {
+    return conn.unsent_bytes;
+  }
+
   // An empty message with remote CQ data, injected (common/liveness.hpp).
   void send_heartbeat(const std::shared_ptr<Connection>& conn);
 

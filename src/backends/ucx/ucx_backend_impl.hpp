@@ -482,6 +482,11 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
 
   void after_closed(const std::shared_ptr<Connection>& conn) { release_if_idle(conn); }
 
+  // Statistics (under the connection's lock): bytes handed to UCX and not completed.
+  [[nodiscard]] static std::uint64_t queued_bytes(const Connection& conn) {
+    return conn.unsent_bytes;
+  }
+
   // A HEARTBEAT frame on the control channel (common/liveness.hpp): the peer's process and
   // host are alive and its loop runs. What arrives on the control channel is counted.
   void send_heartbeat(const std::shared_ptr<Connection>& conn);
