@@ -136,9 +136,9 @@ struct NetworkLimits {
   // A connection from which nothing arrived for this time - a dead host, a cut link, a hung
   // peer process - is closed (on_connection_closed_cb, every accepted key ends once), whether
   // data is being sent or the connection is idle. Every backend sends heartbeats in its own
-  // protocol every peer_timeout / 5 to a peer whose protocol version has them; a peer that
-  // is gone is noticed between about 4/5 of this time and this time plus 2/5 after it fell
-  // silent (docs/reliability.md). Peers of older versions get no heartbeats and are watched
+  // protocol every peer_timeout / 10 to a peer whose protocol version has them; a peer that
+  // is gone is noticed between this time and 1.3 times it after it went (docs/
+  // reliability.md). Peers of older versions get no heartbeats and are watched
   // only through TCP (keepalive and TCP_USER_TIMEOUT on the sockets netio3 owns).
   std::chrono::milliseconds peer_timeout{std::chrono::seconds{30}};
 };

@@ -5,12 +5,14 @@
 // Every transport sends heartbeats in its own protocol (asyncmsg and UCX control frames,
 // libfabric messages with remote CQ data) to a peer whose protocol version says it accepts
 // them, and counts what arrives from the peer in ConnectionBase::arrivals. One timer per
-// backend, period T/HEARTBEATS_PER_TIMEOUT (T = peer_timeout), runs while such a connection
-// is open: each tick sends every connection whose peer takes heartbeats one, and a
-// connection whose peer sends them and from which nothing arrived for T is handed back as
-// silent (the engine closes it). So a peer that is gone (its host, its link, or its loop) is
-// noticed between T and T + 2 periods after the last thing it sent; a healthy idle connection costs
-// each side one heartbeat and one wake-up per period.
+// backend, period P = T/HEARTBEATS_PER_TIMEOUT (T = peer_timeout), runs while such a
+// connection is open: each tick sends every connection whose peer takes heartbeats one, and
+// a connection whose peer sends them and from which nothing arrived for T + P (its next
+// heartbeat may have been due just after it went) is handed back as silent (the engine
+// closes it). A peer that is gone (its host, its link, or its loop) was last heard at most P
+// before, so it is noticed between T and T + 3P after it went (1.3 T; the ticks' granularity
+// adds up to 2P); a healthy idle connection costs each side a heartbeat and a wake-up per
+// period.
 //
 // Judging is suspended when it would be unfair:
 //  - for a connection the transport is not reading (receive memory exhausted: the peer's
@@ -33,7 +35,7 @@
 
 namespace netio3::detail {
 
-inline constexpr int HEARTBEATS_PER_TIMEOUT = 5;
+inline constexpr int HEARTBEATS_PER_TIMEOUT = 10;
 
 // How often heartbeats are sent and connections judged, for a peer timeout.
 [[nodiscard]] inline std::chrono::milliseconds heartbeat_period(
@@ -84,7 +86,7 @@ class Liveness {
           !receiving(*conn)) {
         entry.seen = conn->arrivals;
         entry.heard = now;
-      } else if (now - entry.heard >= m_timeout) {
+      } else if (now - entry.heard >= m_timeout + m_period) {
         out.silent.push_back(std::move(conn));
         return true;
       }

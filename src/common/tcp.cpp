@@ -195,7 +195,7 @@ int connect_result(int fd) {
 
 std::string configure_stream(int fd, std::chrono::milliseconds peer_timeout) {
   // A backstop behind netio3's heartbeats (common/liveness.hpp), which end a silent
-  // connection between peer_timeout and 1.4 times it, and the only watch on a peer of an
+  // connection between peer_timeout and 1.3 times it, and the only watch on a peer of an
   // older protocol version: after 1.5 times peer_timeout. TCP_USER_TIMEOUT bounds how long
   // sent data may stay unacknowledged; keepalive probes (after half the time idle, then three
   // a third of it apart) find a peer that vanished while nothing was being sent.
