@@ -308,6 +308,10 @@ std::string descriptor_shortage() {
   const bool nearly_full = descriptor_table_nearly_full(fd);
   ::close(fd);
   if (!nearly_full) return {};
+  return descriptor_table_nearly_full_text(fd);
+}
+
+std::string descriptor_table_nearly_full_text(int fd) {
   return fmt::format("the descriptor table is nearly full (descriptor {} of RLIMIT_NOFILE)", fd);
 }
 

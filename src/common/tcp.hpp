@@ -129,6 +129,8 @@ std::size_t raise_descriptor_limit();
 // True when `fd`, the descriptor accept() just returned, leaves fewer than the reserve free:
 // the kernel gives the lowest free number, so every number below `fd` is in use.
 bool descriptor_table_nearly_full(int fd);
+// The reason logged for it.
+std::string descriptor_table_nearly_full_text(int fd);
 // Descriptors kept free under the soft limit (for the transports and the rest of the
 // process): 1/16 of the limit, at least 16.
 std::size_t descriptor_reserve(std::size_t soft_limit);

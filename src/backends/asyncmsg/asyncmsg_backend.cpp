@@ -225,9 +225,8 @@ void Backend::on_acceptable(const std::shared_ptr<Listener>& listener, std::uint
     if (detail::descriptor_table_nearly_full(socket.native_handle())) {
       // Keep descriptors for the rest of the process (timers, other backends' transports).
       detail::pause_accepting(*listener,
-                              fmt::format("the descriptor table is nearly full (descriptor {} of "
-                                          "RLIMIT_NOFILE); the connection is refused",
-                                          socket.native_handle()));
+                              detail::descriptor_table_nearly_full_text(socket.native_handle()) +
+                                  "; the connection is refused");
       return;
     }
     listener->pauses->accepted();

@@ -183,7 +183,8 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
   // The kernel owns what was written: nothing to wait for.
   [[nodiscard]] static bool quiescent(const Connection& /*conn*/) { return true; }
 
-  // A HEARTBEAT frame, queued like a message (common/liveness.hpp).
+  // A HEARTBEAT frame (common/liveness.hpp): written at once when nothing is queued, else
+  // queued between two messages.
   void send_heartbeat(const std::shared_ptr<Connection>& conn);
 
   // Statistics (under the connection's lock): bytes not yet written to the socket, frame

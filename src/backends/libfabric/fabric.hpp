@@ -148,7 +148,7 @@ class Domain {
   // Wake-ups of the loop by this domain's wait fds with nothing behind them, in a row.
   std::uint64_t spurious_wakeups{0};
   // Out of descriptors (loop thread): the event queue is left out of the loop while
-  // `eq_paused` (the backend's pause_if_out_of_descriptors).
+  // `eq_paused` (the backend's pause_if_short_of_descriptors).
   bool eq_paused{false};
   std::optional<detail::AcceptPauses> accept_pauses;
   // What the accept pauses' log lines name: the first listener on the domain (under the

@@ -226,8 +226,10 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
   struct DomainFds {
     FdHandle eq;
     FdHandle cq;
-    EventTimerHandle resume;  // ends an accept pause (pause_if_out_of_descriptors)
+    EventTimerHandle resume;  // ends an accept pause (pause_if_short_of_descriptors)
   };
+  // The fds of `domain` (under m_domains_mutex: m_domain_fds runs beside m_domains).
+  DomainFds& fds_of(const Domain& domain);
 
   Domain& domain_for(const fi_info& info);
 

@@ -116,20 +116,23 @@ bool Backend::pause_if_short_of_descriptors(Domain& domain) {
   domain.eq_paused = true;
   domain.spurious_wakeups = 0;
   const std::lock_guard lock{m_domains_mutex};
-  for (std::size_t i = 0; i < m_domains.size(); ++i) {
-    if (m_domains[i].get() != &domain) continue;
-    m_domain_fds[i].eq.modify(0);
-    m_domain_fds[i].resume.start_once(detail::AcceptPauses::BACKOFF);
-  }
+  DomainFds& fds = fds_of(domain);
+  fds.eq.modify(0);
+  fds.resume.start_once(detail::AcceptPauses::BACKOFF);
   return true;
 }
 
 void Backend::resume_eq(Domain& domain) {
   domain.eq_paused = false;
   const std::lock_guard lock{m_domains_mutex};
-  for (std::size_t i = 0; i < m_domains.size(); ++i) {
-    if (m_domains[i].get() == &domain) m_domain_fds[i].eq.modify(EPOLLIN);
-  }
+  fds_of(domain).eq.modify(EPOLLIN);
+}
+
+Backend::DomainFds& Backend::fds_of(const Domain& domain) {
+  const auto it = std::find_if(m_domains.begin(), m_domains.end(),
+                               [&](const auto& d) { return d.get() == &domain; });
+  assert(it != m_domains.end());
+  return m_domain_fds[static_cast<std::size_t>(it - m_domains.begin())];
 }
 
 void Backend::on_wait_fd(Domain& domain, std::size_t handled) {

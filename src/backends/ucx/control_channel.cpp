@@ -40,10 +40,8 @@ void Backend::on_acceptable(const std::shared_ptr<Listener>& listener, std::uint
     if (detail::descriptor_table_nearly_full(socket.get())) {
       // Accepting on would leave UCX (and the application) no descriptor: UCX's tcp
       // transport gives up its listener for good when its own accept fails.
-      detail::pause_accepting(*listener,
-                              fmt::format("the descriptor table is nearly full (descriptor {} of "
-                                          "RLIMIT_NOFILE); the connection is refused",
-                                          socket.get()));
+      detail::pause_accepting(*listener, detail::descriptor_table_nearly_full_text(socket.get()) +
+                                             "; the connection is refused");
       return;
     }
     listener->pauses->accepted();
