@@ -387,6 +387,11 @@ void Backend::on_cm_event(Domain& domain, std::uint32_t event, const fi_eq_cm_en
       if (auto conn = m_registry.by_id(id_of(entry.fid))) on_connected(conn, data);
       break;
     case FI_SHUTDOWN:
+      // The provider reports what it read before the peer's end of stream on the
+      // completion queue and the end itself on the event queue, and the loop may read the
+      // event queue first: deliver those messages before the close discards the receives.
+      (void)drain_cq(domain);
+      if (shut_down()) return;
       if (auto conn = m_registry.by_id(id_of(entry.fid))) {
         close(conn, "peer closed the connection", CloseCause::PEER);
       }
