@@ -107,6 +107,13 @@ using OnConnectionClosedKeysCb = std::function<void(
     const EndPointAddress& remote, const std::vector<std::uint64_t>& cancelled_keys)>;
 using OnConnectionRefusedCb = std::function<void(const EndPointAddress& remote)>;
 using OnSendCompleted = std::function<void(const EndPointAddress& remote, std::uint64_t key)>;
+// A connection on which a send returned NO_RESOURCES (or get_buffer returned nullptr) can
+// take a send again: a send completed (a buffer came back, window or queue space freed), a
+// buffer came back to the shared send pool, or the connection was set up. Edge-triggered:
+// once per such episode, however many refusals it had and however many buffers came back;
+// the next refusal begins the next episode. Never for a connection that is closing or
+// closed (docs/observability.md).
+using OnReadyToSendCb = std::function<void(const EndPointAddress& remote)>;
 
 inline constexpr std::size_t DEFAULT_MAX_MESSAGE_SIZE = std::size_t{64} << 20U;
 inline constexpr std::size_t DEFAULT_MAX_UNSENT_BYTES = std::size_t{8} << 20U;
@@ -154,6 +161,8 @@ struct NetworkConfig {
   OnConnectionRefusedCb on_connection_refused_cb{};
   OnSendCompleted on_send_completed_cb{};
   NetworkLimits limits{};
+  // Optional; appended after the members of the contract (see OnReadyToSendCb).
+  OnReadyToSendCb on_ready_to_send_cb{};
 };
 
 }  // namespace netio3

@@ -82,6 +82,11 @@ struct ConnectionBase {
     std::atomic<std::uint64_t> bytes_received{0};
   };
   mutable Counters counters;
+  // The refusals of the current ready-to-send episode (SendWait bits; 0: none), set by
+  // the refusing call on any thread and cleared on the loop thread when the episode ends
+  // (on_ready_to_send_cb, ConnectionEngine::ready_again). Unused without the callback.
+  enum SendWait : std::uint8_t { WAIT_TRANSPORT = 1, WAIT_BUFFER = 2 };
+  mutable std::atomic<std::uint8_t> send_waits{0};
   std::chrono::steady_clock::time_point established_at{};  // under `mutex`
 
   // How it ends, from the moment it is CLOSING (loop thread only).

@@ -23,6 +23,8 @@
 //  - the dispatch guard: every notification returns whether the caller may go on, false
 //    once the application closed the connection or began destroying the backend in its
 //    callback;
+//  - the ready-to-send episodes (on_ready_to_send_cb): a refused send or an empty pool
+//    begins one, a completion, a buffer back in the shared pool or the set-up ends it;
 //  - loop-thread assertions (debug builds) and the destruction flag.
 //
 // What the transport implements is the concept TransportOf below.
@@ -158,29 +160,32 @@ class ConnectionEngine {
   // Causes no callback: the thread-model check only (no ApiCall).
   NetworkBuffer* get_buffer(const EndPointAddress& address) {
     m_thread.check_caller("get_buffer");
-    return acquire_send_buffer(*m_registry.get(address, "get_buffer"), m_name);
+    const auto conn = m_registry.get(address, "get_buffer");
+    NetworkBuffer* buffer = acquire_send_buffer(*conn, m_name);
+    if (buffer == nullptr && m_wants_ready) send_refused(conn, ConnectionBase::WAIT_BUFFER);
+    return buffer;
   }
 
   NetioStatus send_buffer(const EndPointAddress& address, NetworkBuffer* buffer) {
     const ApiCall call{*this, "send_buffer"};
     const auto conn = m_registry.get(address, "send_buffer");
     BufferPool* pool = claim_send_buffer(*conn, buffer, m_name);
-    if (pool == nullptr) return counted(*conn, NetioStatus::FAILED);
+    if (pool == nullptr) return counted(conn, NetioStatus::FAILED);
     const NetioStatus status = derived().post_buffer(conn, buffer);
     if (status != NetioStatus::OK) pool->abort_send(buffer);
-    return counted(*conn, status);
+    return counted(conn, status);
   }
 
   NetioStatus send_data(const EndPointAddress& address, std::span<const iovec> iov,
                         std::span<const std::uint8_t> header, std::uint64_t key) {
     const ApiCall call{*this, "send_data"};
     const auto conn = m_registry.get(address, "send_data");
-    if (!header_ok(address, header, m_name)) return counted(*conn, NetioStatus::FAILED);
+    if (!header_ok(address, header, m_name)) return counted(conn, NetioStatus::FAILED);
     if constexpr (requires(Conn & c) { std::span<const std::uint8_t>{c.region}; }) {
-      if (!inside_zero_copy_region(*conn, iov)) return counted(*conn, NetioStatus::FAILED);
+      if (!inside_zero_copy_region(*conn, iov)) return counted(conn, NetioStatus::FAILED);
     }
-    return counted(*conn, derived().post_data(conn, header, iov, Payload::REFERENCE,
-                                              PendingSend{key, nullptr, total_size(header, iov)}));
+    return counted(conn, derived().post_data(conn, header, iov, Payload::REFERENCE,
+                                             PendingSend{key, nullptr, total_size(header, iov)}));
   }
 
   NetioStatus send_data_copy(const EndPointAddress& address, std::span<const iovec> iov,
@@ -191,9 +196,9 @@ class ConnectionEngine {
       throw NotSupported(
           fmt::format("{}: send_data_copy is not supported {}", m_name, Derived::NO_COPY_SENDS));
     }
-    if (!header_ok(address, header, m_name)) return counted(*conn, NetioStatus::FAILED);
-    return counted(*conn, derived().post_data(conn, header, iov, Payload::COPY,
-                                              PendingSend{key, nullptr, total_size(header, iov)}));
+    if (!header_ok(address, header, m_name)) return counted(conn, NetioStatus::FAILED);
+    return counted(conn, derived().post_data(conn, header, iov, Payload::COPY,
+                                             PendingSend{key, nullptr, total_size(header, iov)}));
   }
 
   // ---- statistics (any thread) -----------------------------------------------------------
@@ -387,6 +392,10 @@ class ConnectionEngine {
     }
     if (conn->peer_sends_heartbeats || conn->peer_takes_heartbeats) m_liveness->watch(conn);
     m_notifier.established(conn->remote, caps);
+    // Sends refused while it was being set up: it takes them now.
+    if (conn->send_waits.load(std::memory_order_relaxed) != 0 && still_open(*conn)) {
+      return ready_again(*conn);
+    }
     return still_open(*conn);
   }
 
@@ -414,6 +423,22 @@ class ConnectionEngine {
   bool completed(const Conn& conn, const PendingSend& send) {
     if (send.buffer != nullptr) conn.send_pool->release(send.buffer);
     m_notifier.send_completed(conn.remote, send.key);
+    if (shut_down()) return false;
+    // Read after the release and the ledger's completion (send_refused()'s other half).
+    if (send.buffer != nullptr && m_buffer_waiters_exist.load(std::memory_order_relaxed) &&
+        !wake_buffer_waiters(conn.send_pool)) {
+      return false;
+    }
+    if (conn.send_waits.load(std::memory_order_relaxed) != 0) return ready_again(conn);
+    return true;
+  }
+
+  // Ends `conn`'s ready-to-send episode, if one is on and it is open: on_ready_to_send_cb.
+  // False when the backend is being destroyed. Loop thread.
+  bool ready_again(const Conn& conn) {
+    // Not yet open: established() ends it; closing or closed: never.
+    if (!still_open(conn) || conn.send_waits.exchange(0) == 0) return !shut_down();
+    m_notifier.ready_to_send(conn.remote);
     return !shut_down();
   }
 
@@ -493,6 +518,11 @@ class ConnectionEngine {
       m_ending.erase(conn->id);
     }
     if constexpr (requires { derived().after_closed(conn); }) derived().after_closed(conn);
+    // Its cancelled buffered sends went back to a shared pool that others may wait on.
+    if (m_buffer_waiters_exist.load(std::memory_order_relaxed) && conn->send_pool != nullptr &&
+        conn->send_pool != conn->own_send_pool.get()) {
+      post_buffer_wake(conn->send_pool);
+    }
     if (!conn->ending_info.report) return true;
     if (m_api_depth > 0) {
       // Caused by an API call on the loop thread: reported after it has returned.
@@ -562,14 +592,87 @@ class ConnectionEngine {
     return out;
   }
 
-  // Counts a send call's result on the connection's statistics.
-  static NetioStatus counted(const Conn& conn, NetioStatus status) noexcept {
+  // Counts a send call's result on the connection's statistics; a refusal begins (or
+  // continues) a ready-to-send episode.
+  NetioStatus counted(const std::shared_ptr<Conn>& conn, NetioStatus status) {
+    if (status == NetioStatus::OK) [[likely]] {
+      return status;
+    }
     if (status == NetioStatus::NO_RESOURCES) {
-      conn.counters.no_resources.fetch_add(1, std::memory_order_relaxed);
-    } else if (status == NetioStatus::FAILED) {
-      conn.counters.failed.fetch_add(1, std::memory_order_relaxed);
+      conn->counters.no_resources.fetch_add(1, std::memory_order_relaxed);
+      if (m_wants_ready) send_refused(conn, ConnectionBase::WAIT_TRANSPORT);
+    } else {
+      conn->counters.failed.fetch_add(1, std::memory_order_relaxed);
     }
     return status;
+  }
+
+  // A send was refused for `cause` (any thread): the episode waits on it. The refusal and
+  // what ends the episode can race (the last completion may come just before the flag is
+  // set): after setting it, this looks again, under the locks the loop completes under, at
+  // whether an end will still come; if none will because the resource is free already,
+  // the episode is ended from the loop now. Where a wake-up comes from:
+  //  - WAIT_TRANSPORT (window, queue, still connecting): a completion on this connection,
+  //    or established(); none if nothing is in flight, so that is ended now;
+  //  - WAIT_BUFFER (pool empty): a buffer back in the pool - this connection's completions,
+  //    or, for a shared pool, any connection's (the waiter list).
+  void send_refused(const std::shared_ptr<Conn>& conn, ConnectionBase::SendWait cause) {
+    if ((conn->send_waits.fetch_or(cause) & cause) != 0) return;  // waiting on it already
+    bool free_now = false;
+    if (cause == ConnectionBase::WAIT_TRANSPORT) {
+      const std::lock_guard lock{conn->mutex};
+      free_now = conn->phase == Phase::OPEN && conn->ledger.outstanding() == 0;
+    } else {
+      BufferPool* pool = nullptr;
+      bool shared = false;
+      {
+        const std::lock_guard lock{conn->mutex};
+        pool = conn->send_pool;
+        shared = pool != conn->own_send_pool.get();
+      }
+      if (pool == nullptr) return;
+      if (shared) {
+        const std::lock_guard lock{m_buffer_waiters_mutex};
+        m_buffer_waiters.push_back(conn);
+        m_buffer_waiters_exist.store(true);
+      }
+      free_now = pool->free_count() > 0;
+    }
+    if (!free_now) return;
+    std::weak_ptr<Derived> weak = derived().weak_from_this();
+    m_loop->post([weak, conn] {
+      if (auto self = weak.lock(); self && !self->shut_down()) (void)self->ready_again(*conn);
+    });
+  }
+
+  // A buffer came back to the shared pool `pool`: ends the episodes of the connections
+  // waiting for one of its buffers. False when the backend is being destroyed. Loop thread.
+  bool wake_buffer_waiters(const BufferPool* pool) {
+    std::vector<std::shared_ptr<Conn>> wake;
+    {
+      const std::lock_guard lock{m_buffer_waiters_mutex};
+      std::erase_if(m_buffer_waiters, [&](const std::weak_ptr<Conn>& w) {
+        auto conn = w.lock();
+        if (!conn) return true;
+        if (conn->send_pool != pool) return false;
+        wake.push_back(std::move(conn));
+        return true;
+      });
+      m_buffer_waiters_exist.store(!m_buffer_waiters.empty(), std::memory_order_relaxed);
+    }
+    for (const auto& conn : wake) {
+      if (!ready_again(*conn)) return false;
+    }
+    return true;
+  }
+
+  void post_buffer_wake(const BufferPool* pool) {
+    std::weak_ptr<Derived> weak = derived().weak_from_this();
+    m_loop->post([weak, pool] {
+      if (auto self = weak.lock(); self && !self->shut_down()) {
+        (void)self->wake_buffer_waiters(pool);
+      }
+    });
   }
 
   static std::uint64_t total_size(std::span<const std::uint8_t> header,
@@ -667,6 +770,7 @@ class ConnectionEngine {
   }
 
   std::string_view m_name;
+  const bool m_wants_ready{m_notifier.wants_ready_to_send()};
   std::atomic<bool> m_shut_down{false};
   std::atomic<std::uint64_t> m_next_id{1};
   std::optional<SetupDeadlines<Conn>> m_setup;  // set in start_engine()
@@ -677,6 +781,10 @@ class ConnectionEngine {
   mutable std::mutex m_ending_mutex;
   std::unordered_map<std::uint64_t, std::shared_ptr<Conn>> m_ending;
   BackendStatistics m_ended;
+  // Connections waiting for a buffer of a shared send pool (send_refused()).
+  std::mutex m_buffer_waiters_mutex;
+  std::vector<std::weak_ptr<Conn>> m_buffer_waiters;
+  std::atomic<bool> m_buffer_waiters_exist{false};
 };
 
 }  // namespace netio3::detail

@@ -28,7 +28,8 @@ Notifier::Notifier(std::string_view backend_name, const NetworkConfig& config)
       m_on_established{config.on_connection_established_cb},
       m_on_closed{config.on_connection_closed_cb},
       m_on_refused{config.on_connection_refused_cb},
-      m_on_send_completed{config.on_send_completed_cb} {}
+      m_on_send_completed{config.on_send_completed_cb},
+      m_on_ready_to_send{config.on_ready_to_send_cb} {}
 
 void Notifier::data(const EndPointAddress& remote, std::span<const std::uint8_t> bytes) const {
   NETIO3_TRACE("{}: recv from {} size={}", m_name, remote, bytes.size());
@@ -57,6 +58,11 @@ void Notifier::refused(const EndPointAddress& remote, std::string_view reason) c
 void Notifier::send_completed(const EndPointAddress& remote, std::uint64_t key) const {
   NETIO3_TRACE("{}: send to {} completed key={}", m_name, remote, key);
   guarded(stopped(), m_name, "on_send_completed_cb", m_on_send_completed, remote, key);
+}
+
+void Notifier::ready_to_send(const EndPointAddress& remote) const {
+  NETIO3_TRACE("{}: connection with {} can take sends again", m_name, remote);
+  guarded(stopped(), m_name, "on_ready_to_send_cb", m_on_ready_to_send, remote);
 }
 
 }  // namespace netio3::detail

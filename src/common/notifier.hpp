@@ -24,6 +24,9 @@ class Notifier {
               std::string_view reason) const;
   void refused(const EndPointAddress& remote, std::string_view reason) const;
   void send_completed(const EndPointAddress& remote, std::uint64_t key) const;
+  void ready_to_send(const EndPointAddress& remote) const;
+  // Whether the application asked for on_ready_to_send_cb (else refusals are not tracked).
+  [[nodiscard]] bool wants_ready_to_send() const noexcept { return bool{m_on_ready_to_send}; }
 
   [[nodiscard]] std::string_view name() const noexcept { return m_name; }
 
@@ -40,6 +43,7 @@ class Notifier {
   OnConnectionClosedKeysCb m_on_closed;
   OnConnectionRefusedCb m_on_refused;
   OnSendCompleted m_on_send_completed;
+  OnReadyToSendCb m_on_ready_to_send;
   mutable std::atomic<bool> m_stopped{false};
 };
 

@@ -229,6 +229,9 @@ NetworkConfig Recorder::config(ThreadSafetyModel model, NetworkMode mode) {
   config.on_send_completed_cb = [this](const EndPointAddress& remote, std::uint64_t key) {
     record(Event{.kind = Kind::COMPLETED, .remote = remote, .key = key}, {});
   };
+  config.on_ready_to_send_cb = [this](const EndPointAddress& remote) {
+    record(Event{.kind = Kind::READY, .remote = remote}, {});
+  };
   return config;
 }
 

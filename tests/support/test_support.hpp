@@ -138,7 +138,8 @@ class LoopThread {
 // what was recorded.
 class Recorder {
  public:
-  enum class Kind { ESTABLISHED, CLOSED, REFUSED, COMPLETED, DATA };
+  // READY: on_ready_to_send_cb.
+  enum class Kind { ESTABLISHED, CLOSED, REFUSED, COMPLETED, DATA, READY };
   struct Event {
     Kind kind{};
     EndPointAddress remote{};           // empty for DATA (on_data_cb has no address)

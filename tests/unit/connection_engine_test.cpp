@@ -274,8 +274,8 @@ TEST_P(Engine, ClosingTheListenerEndsItsConnectionsAfterTheCall) {
 TEST_P(Engine, ClosingOrDestroyingFromInsideEveryCallbackIsSafe) {
   std::uint16_t port = 0;
   for (const bool destroy : {false, true}) {
-    for (const Kind trigger :
-         {Kind::ESTABLISHED, Kind::DATA, Kind::COMPLETED, Kind::CLOSED, Kind::REFUSED}) {
+    for (const Kind trigger : {Kind::ESTABLISHED, Kind::DATA, Kind::COMPLETED, Kind::READY,
+                               Kind::CLOSED, Kind::REFUSED}) {
       SCOPED_TRACE(fmt::format("{} from inside callback {}", destroy ? "destroy" : "close",
                                static_cast<int>(trigger)));
       make();
@@ -318,7 +318,9 @@ TEST_P(Engine, ClosingOrDestroyingFromInsideEveryCallbackIsSafe) {
       api([&] {
         if (!backend) return;
         try {
-          for (std::uint64_t key = 1; key <= 3; ++key) {
+          // One more than the window: the last is refused, the first completion ends
+          // that episode (READY).
+          for (std::uint64_t key = 1; key <= FakeTransport::WINDOW + 1; ++key) {
             if (send(a, key) == NetioStatus::OK) sent_a.push_back(key);
           }
         } catch (const UnknownActiveEndpoint&) {
@@ -530,6 +532,135 @@ TEST_P(Engine, DestructionAbandonsEverythingWithoutACallback) {
     EXPECT_TRUE(c->abandoned);
     EXPECT_TRUE(c->ledger.closed());
   }
+}
+
+// ---- on_ready_to_send_cb ----------------------------------------------------------------
+
+TEST_P(Engine, TheReadyCallbackEndsEachRefusalEpisodeOnceAtTheNextCompletion) {
+  const auto c = open(peer);
+  std::uint64_t key = 0;
+  api([&] {
+    for (std::size_t i = 0; i < FakeTransport::WINDOW; ++i)
+      ASSERT_EQ(send(peer, ++key), NetioStatus::OK);
+    // Two refusals: one episode.
+    EXPECT_EQ(send(peer, 100), NetioStatus::NO_RESOURCES);
+    EXPECT_EQ(send(peer, 101), NetioStatus::NO_RESOURCES);
+  });
+  settle();
+  EXPECT_EQ(rec.count_now(Kind::READY), 0U) << "ready while the window is still full";
+  on_loop([&] { fake->complete_one(c); });
+  ASSERT_EQ(rec.count_now(Kind::READY), 1U);
+  // It comes after the completion that freed the room.
+  const auto events = rec.snapshot();
+  EXPECT_EQ(events.back().kind, Kind::READY);
+  EXPECT_EQ(events[events.size() - 2].kind, Kind::COMPLETED);
+  on_loop([&] {
+    while (fake->complete_one(c)) {
+    }
+  });
+  settle();
+  EXPECT_EQ(rec.count_now(Kind::READY), 1U) << "one callback per episode, not per completion";
+  // The next refusal is the next episode.
+  api([&] {
+    for (std::size_t i = 0; i < FakeTransport::WINDOW; ++i)
+      ASSERT_EQ(send(peer, ++key), NetioStatus::OK);
+    EXPECT_EQ(send(peer, 102), NetioStatus::NO_RESOURCES);
+  });
+  on_loop([&] { fake->complete_one(c); });
+  EXPECT_EQ(rec.count_now(Kind::READY), 2U);
+}
+
+// The refusal and the completion that ends it race: the transport refused, and by the time
+// the engine marks the episode nothing is in flight any more (here: the fake refuses once
+// with an empty window, as a transport's transient "try again" would). No completion will
+// come; the episode ends from the loop, after the call.
+TEST_P(Engine, ARefusalWithNothingInFlightEndsFromTheLoopAfterTheCall) {
+  const auto c = open(peer);
+  api([&] {
+    fake->refuse_next();
+    EXPECT_EQ(send(peer, 1), NetioStatus::NO_RESOURCES);
+  });
+  ASSERT_TRUE(rec.wait([](const Recorder& r) { return r.count(Kind::READY) == 1; }));
+  api([&] { EXPECT_EQ(send(peer, 2), NetioStatus::OK); });
+  on_loop([&] { fake->complete_one(c); });
+  settle();
+  EXPECT_EQ(rec.count_now(Kind::READY), 1U);
+}
+
+TEST_P(Engine, ARefusalWhileSettingUpEndsWhenTheConnectionIsEstablished) {
+  api([&] { backend->open_active_endpoint(peer, params()); });
+  const auto c = conn(peer);
+  api([&] { EXPECT_EQ(send(peer, 1), NetioStatus::NO_RESOURCES); });
+  settle();
+  EXPECT_EQ(rec.count_now(Kind::READY), 0U);
+  on_loop([&] {
+    fake->connected(c);
+    fake->establish(c);
+  });
+  const auto events = rec.snapshot();
+  ASSERT_GE(events.size(), 2U);
+  EXPECT_EQ(events[events.size() - 2].kind, Kind::ESTABLISHED);
+  EXPECT_EQ(events.back().kind, Kind::READY);
+}
+
+TEST_P(Engine, NoReadyCallbackForAConnectionThatIsClosing) {
+  const auto c = open(peer);
+  std::vector<std::uint64_t> keys;
+  api([&] {
+    for (std::uint64_t key = 1; key <= FakeTransport::WINDOW; ++key) {
+      ASSERT_EQ(send(peer, key), NetioStatus::OK);
+      keys.push_back(key);
+    }
+    EXPECT_EQ(send(peer, 99), NetioStatus::NO_RESOURCES);
+    backend->close_active_endpoint(peer);  // graceful: waits for the flight
+  });
+  on_loop([&] {
+    while (fake->complete_one(c)) {
+    }
+  });
+  ASSERT_TRUE(rec.wait([&](const Recorder& r) { return r.count(Kind::CLOSED, peer) == 1; }));
+  settle();
+  EXPECT_EQ(rec.count_now(Kind::READY), 0U);
+  expect_keys_end_once(peer, keys);
+}
+
+// get_buffer's nullptr begins an episode too; with shared send buffers, a buffer that
+// another connection's completion gives back ends it.
+TEST_P(Engine, AnEmptySharedPoolEndsItsWaitersEpisodesWhenABufferComesBack) {
+  make([](NetworkConfig& config) {
+    config.shared_send_buffers = {.use_shared_send_buffers = true, .buf_size = 64, .num_buf = 2};
+  });
+  const EndPointAddress other{"10.0.0.2", 5000};
+  const auto a = open(peer);
+  open(other);
+  api([&] {
+    for (int i = 0; i < 2; ++i) {
+      NetworkBuffer* buffer = backend->get_buffer(peer);
+      ASSERT_NE(buffer, nullptr);
+      ASSERT_EQ(backend->send_buffer(peer, buffer), NetioStatus::OK);
+    }
+    EXPECT_EQ(backend->get_buffer(other), nullptr);
+  });
+  settle();
+  EXPECT_EQ(rec.count_now(Kind::READY), 0U);
+  on_loop([&] { fake->complete_one(a); });
+  ASSERT_EQ(rec.count_now(Kind::READY), 1U);
+  EXPECT_EQ(rec.snapshot().back().remote, other) << "the waiter, not the connection that sent";
+  on_loop([&] { fake->complete_one(a); });
+  settle();
+  EXPECT_EQ(rec.count_now(Kind::READY), 1U);
+  // A waiter whose pool is given back by a closing connection's cancelled sends.
+  api([&] {
+    NetworkBuffer* one = backend->get_buffer(peer);
+    NetworkBuffer* two = backend->get_buffer(peer);
+    ASSERT_NE(one, nullptr);
+    ASSERT_NE(two, nullptr);
+    ASSERT_EQ(backend->send_buffer(peer, one), NetioStatus::OK);
+    ASSERT_EQ(backend->send_buffer(peer, two), NetioStatus::OK);
+    EXPECT_EQ(backend->get_buffer(other), nullptr);
+  });
+  on_loop([&] { fake->fails(a, "broken"); });  // cancels both sends
+  ASSERT_TRUE(rec.wait([&](const Recorder& r) { return r.count(Kind::READY, other) == 2; }));
 }
 
 std::string model_name(const testing::TestParamInfo<ThreadSafetyModel>& param) {

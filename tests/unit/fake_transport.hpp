@@ -8,10 +8,12 @@
 // produce only by chance.
 //
 // The fake's transport: a send is accepted into the connection's flight (at most WINDOW, else
-// NO_RESOURCES) and completes when the test says so; a graceful close (local or peer, of an
+// NO_RESOURCES; buffered sends from the connection's own pool or the shared one) and
+// completes when the test says so; a graceful close (local or peer, of an
 // open connection) waits for the flight to complete; an error close drops it (its sends end
 // as cancelled).
 
+#include <atomic>
 #include <cstdint>
 #include <deque>
 #include <memory>
@@ -54,7 +56,13 @@ class FakeTransport : public detail::ConnectionEngine<FakeTransport, FakeConnect
   using Engine = detail::ConnectionEngine<FakeTransport, FakeConnection, FakeListener>;
 
   FakeTransport(NetworkConfig config, std::shared_ptr<BaseEventLoop> loop)
-      : Engine{"fake", config, std::move(loop), config.thread_safety} {}
+      : Engine{"fake", config, std::move(loop), config.thread_safety} {
+    const auto& shared = config.shared_send_buffers;
+    if (shared.use_shared_send_buffers) {
+      m_shared_send_pool =
+          std::make_unique<detail::BufferPool>(shared.num_buf, shared.buf_size, 0, m_thread.safe());
+    }
+  }
 
   // The fake of the backend made last (set by start(), on the constructing thread).
   static std::shared_ptr<FakeTransport> latest() {
@@ -100,7 +108,7 @@ class FakeTransport : public detail::ConnectionEngine<FakeTransport, FakeConnect
     const ApiCall call = open_call(address, params, false);
     auto conn = std::make_shared<FakeConnection>(next_id(), address, params, 0, m_thread.safe(),
                                                  detail::Phase::CONNECTING);
-    detail::attach_send_pool(*conn, nullptr, 0, m_thread.safe());
+    detail::attach_send_pool(*conn, m_shared_send_pool.get(), 0, m_thread.safe());
     {
       const auto held = m_registry.lock();
       m_registry.check_connection_free(held, address);
@@ -198,7 +206,7 @@ class FakeTransport : public detail::ConnectionEngine<FakeTransport, FakeConnect
       if (!owner || admission(held, *owner, remote) != Admission::ACCEPT) return nullptr;
       conn = std::make_shared<FakeConnection>(next_id(), remote, owner->params, owner->id,
                                               m_thread.safe(), detail::Phase::HANDSHAKE);
-      detail::attach_send_pool(*conn, nullptr, 0, m_thread.safe());
+      detail::attach_send_pool(*conn, m_shared_send_pool.get(), 0, m_thread.safe());
       m_registry.add_connection(held, conn);
       m_registry.index(conn);
     }
@@ -228,6 +236,9 @@ class FakeTransport : public detail::ConnectionEngine<FakeTransport, FakeConnect
     return deliver(*conn, bytes);
   }
 
+  // The next send is refused (NO_RESOURCES) whatever is in flight.
+  void refuse_next() { m_refuse_next = true; }
+
   void peer_closes(const std::shared_ptr<FakeConnection>& conn) {
     close(conn, "peer closed the connection", detail::CloseCause::PEER);
   }
@@ -253,11 +264,15 @@ class FakeTransport : public detail::ConnectionEngine<FakeTransport, FakeConnect
   NetioStatus post(const std::shared_ptr<FakeConnection>& conn, detail::PendingSend send) {
     const std::lock_guard lock{conn->mutex};
     if (conn->close_requested.load() || conn->ending()) return NetioStatus::FAILED;
-    if (conn->setting_up() || conn->flight.size() >= WINDOW) return NetioStatus::NO_RESOURCES;
+    if (conn->setting_up() || conn->flight.size() >= WINDOW || m_refuse_next.exchange(false)) {
+      return NetioStatus::NO_RESOURCES;
+    }
     conn->flight.push_back(conn->ledger.add(send));
     return NetioStatus::OK;
   }
 
+  std::unique_ptr<detail::BufferPool> m_shared_send_pool;  // shared_send_buffers
+  std::atomic<bool> m_refuse_next{false};
   std::mutex m_all_mutex;
   std::vector<std::shared_ptr<FakeConnection>> m_all;
   std::vector<std::shared_ptr<FakeListener>> m_listeners;
