@@ -35,7 +35,8 @@ enum class Phase : std::uint8_t { CONNECTING, HANDSHAKE, OPEN, CLOSING, CLOSED }
 // limits.peer_timeout (an error too, after which nothing is waited for from the peer).
 enum class CloseCause : std::uint8_t { LOCAL, PEER, ERROR, SILENT };
 
-struct ConnectionBase {
+// Always owned by a shared_ptr (shared_from_this: what the engine posts keeps it).
+struct ConnectionBase : std::enable_shared_from_this<ConnectionBase> {
   ConnectionBase(std::uint64_t id_, EndPointAddress remote_, const ConnectionParameters& params_,
                  std::uint64_t listener_id_, bool thread_safe, Phase initial)
       : id{id_},
@@ -84,8 +85,10 @@ struct ConnectionBase {
   mutable Counters counters;
   // The refusals of the current ready-to-send episode (SendWait bits; 0: none), set by
   // the refusing call on any thread and cleared on the loop thread when the episode ends
-  // (on_ready_to_send_cb, ConnectionEngine::ready_again). Unused without the callback.
-  enum SendWait : std::uint8_t { WAIT_TRANSPORT = 1, WAIT_BUFFER = 2 };
+  // (on_ready_to_send_cb, ConnectionEngine::ready_again); READY_POSTED: its end is posted.
+  // Unused without the callback.
+  enum SendWait : std::uint8_t { WAIT_TRANSPORT = 1, WAIT_BUFFER = 2, READY_POSTED = 4 };
+  static constexpr std::uint8_t WAITING = WAIT_TRANSPORT | WAIT_BUFFER;
   mutable std::atomic<std::uint8_t> send_waits{0};
   std::chrono::steady_clock::time_point established_at{};  // under `mutex`
 

@@ -425,11 +425,12 @@ class ConnectionEngine {
     m_notifier.send_completed(conn.remote, send.key);
     if (shut_down()) return false;
     // Read after the release and the ledger's completion (send_refused()'s other half).
-    if (send.buffer != nullptr && m_buffer_waiters_exist.load(std::memory_order_relaxed) &&
-        !wake_buffer_waiters(conn.send_pool)) {
-      return false;
+    if (send.buffer != nullptr && m_buffer_waiters_exist.load(std::memory_order_relaxed)) {
+      wake_buffer_waiters(conn.send_pool);
     }
-    if (conn.send_waits.load(std::memory_order_relaxed) != 0) return ready_again(conn);
+    if ((conn.send_waits.load(std::memory_order_relaxed) & ConnectionBase::WAITING) != 0) {
+      post_ready(conn);
+    }
     return true;
   }
 
@@ -437,7 +438,8 @@ class ConnectionEngine {
   // False when the backend is being destroyed. Loop thread.
   bool ready_again(const Conn& conn) {
     // Not yet open: established() ends it; closing or closed: never.
-    if (!still_open(conn) || conn.send_waits.exchange(0) == 0) return !shut_down();
+    if (!still_open(conn)) return !shut_down();
+    if ((conn.send_waits.exchange(0) & ConnectionBase::WAITING) == 0) return !shut_down();
     m_notifier.ready_to_send(conn.remote);
     return !shut_down();
   }
@@ -638,16 +640,27 @@ class ConnectionEngine {
       }
       free_now = pool->free_count() > 0;
     }
-    if (!free_now) return;
+    if (free_now) post_ready(*conn);
+  }
+
+  // ready_again(conn) from the loop, after the event being handled (any thread; at most
+  // one on its way per connection). Never at once: a sender that sends from the callback
+  // and whose sends complete at once (UCX) would otherwise never leave the transport's
+  // completion handling; and the completions of one batch end one episode, not one each.
+  void post_ready(const Conn& conn) {
+    if ((conn.send_waits.fetch_or(ConnectionBase::READY_POSTED) & ConnectionBase::READY_POSTED) !=
+        0) {
+      return;
+    }
     std::weak_ptr<Derived> weak = derived().weak_from_this();
-    m_loop->post([weak, conn] {
-      if (auto self = weak.lock(); self && !self->shut_down()) (void)self->ready_again(*conn);
+    m_loop->post([weak, c = std::static_pointer_cast<const Conn>(conn.shared_from_this())] {
+      if (auto self = weak.lock(); self && !self->shut_down()) (void)self->ready_again(*c);
     });
   }
 
-  // A buffer came back to the shared pool `pool`: ends the episodes of the connections
-  // waiting for one of its buffers. False when the backend is being destroyed. Loop thread.
-  bool wake_buffer_waiters(const BufferPool* pool) {
+  // A buffer came back to the shared pool `pool`: ends (posted) the episodes of the
+  // connections waiting for one of its buffers. Loop thread.
+  void wake_buffer_waiters(const BufferPool* pool) {
     std::vector<std::shared_ptr<Conn>> wake;
     {
       const std::lock_guard lock{m_buffer_waiters_mutex};
@@ -660,18 +673,13 @@ class ConnectionEngine {
       });
       m_buffer_waiters_exist.store(!m_buffer_waiters.empty(), std::memory_order_relaxed);
     }
-    for (const auto& conn : wake) {
-      if (!ready_again(*conn)) return false;
-    }
-    return true;
+    for (const auto& conn : wake) post_ready(*conn);
   }
 
   void post_buffer_wake(const BufferPool* pool) {
     std::weak_ptr<Derived> weak = derived().weak_from_this();
     m_loop->post([weak, pool] {
-      if (auto self = weak.lock(); self && !self->shut_down()) {
-        (void)self->wake_buffer_waiters(pool);
-      }
+      if (auto self = weak.lock(); self && !self->shut_down()) self->wake_buffer_waiters(pool);
     });
   }
 

@@ -357,12 +357,8 @@ TEST_P(ReadyToSend, ComesOnceAfterAStoppedReceiverResumesAndNotWhileItIsStopped)
 // ---- A sender driven by the callback only ----------------------------------------------
 
 constexpr std::size_t PUMP_SIZE = 64;
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-// Ten times slower per message under the sanitizers: a tenth of the messages, same paths.
-constexpr std::uint64_t PUMP_MESSAGES = 100'000;
-#else
+// Also under the sanitizers (measured under TSan: 50,000-80,000 messages/s, ~20 s a case).
 constexpr std::uint64_t PUMP_MESSAGES = 1'000'000;
-#endif
 
 TEST_P(ReadyToSend, ASenderDrivenOnlyByTheCallbackDeliversEveryMessageInOrder) {
   to = start_receiver(PUMP_SIZE);

@@ -11,6 +11,7 @@
 //   --send buffered|zero-copy|copy  --test throughput|latency  --size N[,N...] (k/m: KiB/MiB)
 //   --duration SECONDS  --connections N  --threads N (0: send from the loop thread)
 //   --window N  --verify light|full  --warmup N  --busy-poll US  --json FILE  --quiet  --stats
+//   --on-ready
 //
 // Exit status: 0 when every message arrived intact, 1 when one did not, 2 for bad options,
 // 3 when a run could not be done (no connection, a stall, a failed send).
@@ -69,6 +70,9 @@ run options:
   --quiet                            no progress line
   --stats                            print the client backend's statistics after each run
                                      (NetworkBackend::backend_statistics)
+  --on-ready                         throughput with --threads 0: send only from
+                                     on_ready_to_send_cb (after one fill per connection),
+                                     never retry from the loop
 exit status: 0 every message arrived intact, 1 something was lost or corrupted,
              2 bad options, 3 a run could not be done
 )";
@@ -90,8 +94,8 @@ struct UsageError : std::runtime_error {
 };
 
 Args parse_args(int argc, char** argv) {
-  static const std::vector<std::string> FLAGS{"server", "loopback",      "quiet",
-                                              "stats",  "list-backends", "help"};
+  static const std::vector<std::string> FLAGS{"server",        "loopback", "quiet",   "stats",
+                                              "list-backends", "help",     "on-ready"};
   static const std::vector<std::string> VALUES{
       "client", "backend", "mode",   "send", "test", "size", "duration", "connections", "threads",
       "window", "verify",  "warmup", "json", "bind", "port", "max-size", "busy-poll"};
@@ -295,6 +299,10 @@ int run_clients(const Args& args, bool loopback) {
   base.progress = !args.flag("quiet") && ::isatty(STDERR_FILENO) == 1;
   base.busy_poll = busy_poll(args);
   base.stats = args.flag("stats");
+  base.on_ready = args.flag("on-ready");
+  if (base.on_ready && (base.threads > 0 || base.test != Test::THROUGHPUT)) {
+    throw UsageError{"--on-ready: throughput with --threads 0 only"};
+  }
   const auto sizes = parse_sizes(args.get("size", "4k"));
   const std::string json_path = args.get("json", "");
 
@@ -357,6 +365,7 @@ int run_clients(const Args& args, bool loopback) {
                                  r.msgs_per_s, r.bytes_per_s / 1e6, r.bytes_per_s * 8 / 1e9, cpu,
                                  r.intact ? "intact" : "NOT INTACT: " + r.error);
       }
+      if (options.on_ready) std::cout << fmt::format(", {} ready callbacks", r.ready_callbacks);
       std::cout << std::endl;
       if (r.stats) {
         const auto& s = *r.stats;

@@ -132,6 +132,7 @@ class Run {
   void on_completed(const EndPointAddress& remote, std::uint64_t key);
   void on_data(std::span<const std::uint8_t> data);
   void on_pong(Conn& c, const Header& h, std::span<const std::uint8_t> data);
+  void on_ready(const EndPointAddress& remote);
 
   // Runs f where the thread-safety model allows API calls.
   template <typename F>
@@ -157,6 +158,7 @@ class Run {
   void send_control(Conn& c, const Header& h, std::span<const std::uint8_t> body);
   void connect(Conn& c);
   bool pump();
+  void send_until_refused(Conn& c);
   void sender_thread(Sender& s);
   void fail(const std::string& why);
   bool wait(const std::function<bool()>& pred, std::chrono::nanoseconds timeout);
@@ -196,6 +198,7 @@ class Run {
   std::vector<std::uint64_t> m_rtt_ns;  // loop thread
   std::uint64_t m_pong_errors{0};       // loop thread
   std::atomic<bool> m_stop_senders{false};
+  std::uint64_t m_ready_callbacks{0};  // loop thread
 };
 
 Run::Run(const ClientOptions& options, const EndPointAddress& server)
@@ -221,6 +224,9 @@ Run::Run(const ClientOptions& options, const EndPointAddress& server)
   config.on_send_completed_cb = [this](const EndPointAddress& remote, std::uint64_t key) {
     on_completed(remote, key);
   };
+  if (options.on_ready) {
+    config.on_ready_to_send_cb = [this](const EndPointAddress& remote) { on_ready(remote); };
+  }
   config.limits.max_message_size = std::max(options.size, CONTROL_SIZE);
   m_backend = Netio3Backend::create(options.backend, std::move(config), m_loop);
   m_loop_thread = std::jthread{[loop = m_loop] { loop->run(); }};
@@ -321,6 +327,13 @@ void Run::on_closed(const EndPointAddress& remote, const std::vector<std::uint64
     fail(fmt::format("connection to {} closed during the run ({} sends cancelled)", remote,
                      keys.size()));
   }
+}
+
+// --on-ready: the connection takes sends again; the only place sending goes on.
+void Run::on_ready(const EndPointAddress& remote) {
+  ++m_ready_callbacks;
+  Conn* c = conn_of(remote);
+  if (c != nullptr && m_sending.load(std::memory_order_relaxed)) send_until_refused(*c);
 }
 
 void Run::on_completed(const EndPointAddress& remote, std::uint64_t key) {
@@ -588,6 +601,11 @@ bool Run::pump() {
   return !sent;
 }
 
+void Run::send_until_refused(Conn& c) {
+  while (m_sending.load(std::memory_order_relaxed) && send_data(c) == NetioStatus::OK) {
+  }
+}
+
 void Run::sender_thread(Sender& s) {
   while (!m_stop_senders.load(std::memory_order_relaxed)) {
     const std::uint64_t seen = s.progress.load();
@@ -711,6 +729,18 @@ RunResult Run::execute() {
       m_loop->run_sync([this] { m_sending = false; });
       return error(failed() ? failure() : "a ping was not answered");
     }
+  } else if (m_options.on_ready) {
+    // Each connection is filled once; from then on only the callback sends. This thread
+    // ends the run at the deadline (waited out unless the run fails).
+    m_loop->run_sync([this] {
+      for (auto& c : m_conns) send_until_refused(*c);
+    });
+    (void)wait([] { return false; }, duration);
+    m_loop->run_sync([this, &result] {
+      m_sending = false;
+      result.ready_callbacks = m_ready_callbacks;
+    });
+    if (failed()) return error(failure());
   } else if (m_options.threads == 0) {
     m_loop->run_sync([this] { m_pump = m_loop->add_prepare_hook([this] { return pump(); }); });
     if (!wait([&] { return !m_sending.load(); }, duration + STALL_TIMEOUT)) {

@@ -34,6 +34,9 @@ struct ClientOptions {
   // environment (NETIO3_BUSY_POLL_US).
   std::optional<std::chrono::microseconds> busy_poll;
   bool stats{false};  // RunResult::stats
+  // Throughput, --threads 0: send only from on_ready_to_send_cb (and once at the start),
+  // never retry on the loop's own account.
+  bool on_ready{false};
 };
 
 struct RunResult {
@@ -49,6 +52,7 @@ struct RunResult {
   double server_cpu_ns_per_msg{0};                // the server process (from its report)
   std::optional<double> p50_us, p99_us, p999_us;  // latency: round trip
   std::size_t window{0};
+  std::uint64_t ready_callbacks{0};  // --on-ready: on_ready_to_send_cb calls
   // --stats: the client backend's statistics after the connections closed.
   std::optional<BackendStatistics> stats;
 };

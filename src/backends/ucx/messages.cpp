@@ -89,7 +89,7 @@ NetioStatus Backend::send_message(Connection& conn, std::span<const std::uint8_t
       release_op(conn, op);
       ++conn.completions_queued;
       push_event(Event{.kind = Event::Kind::SENT_AT_ONCE,
-                       .conn = conn.shared_from_this(),
+                       .conn = std::static_pointer_cast<Connection>(conn.shared_from_this()),
                        .key = done.key,
                        .buffer = done.buffer});
     } else {
@@ -321,7 +321,7 @@ void Backend::protocol_error(Connection& conn, const std::string& why) {
 void Backend::mark_dirty(Connection& conn) {
   if (conn.dirty) return;
   conn.dirty = true;
-  m_dirty.push_back(conn.shared_from_this());
+  m_dirty.push_back(std::static_pointer_cast<Connection>(conn.shared_from_this()));
 }
 
 void Backend::finish_receive(Incoming& slot, ucs_status_t status, std::size_t length) {

@@ -157,7 +157,7 @@ struct Listener {
 
 // Its id is a random token: the peer addresses its messages to it (a stray or forged message
 // must not land in another connection).
-struct Connection : detail::ConnectionBase, std::enable_shared_from_this<Connection> {
+struct Connection : detail::ConnectionBase {
   using ConnectionBase::ConnectionBase;
 
   Backend* backend{nullptr};  // for UCX callbacks, whose argument is the connection
