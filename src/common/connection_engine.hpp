@@ -424,6 +424,7 @@ class ConnectionEngine {
     if (send.buffer != nullptr) conn.send_pool->release(send.buffer);
     m_notifier.send_completed(conn.remote, send.key);
     if (shut_down()) return false;
+    if (!m_wants_ready) return true;
     // Read after the release and the ledger's completion (send_refused()'s other half).
     if (send.buffer != nullptr && m_buffer_waiters_exist.load(std::memory_order_relaxed)) {
       wake_buffer_waiters(conn.send_pool);
@@ -697,7 +698,7 @@ class ConnectionEngine {
     const BufferPool* pool = nullptr;
     {
       const std::lock_guard lock{conn.mutex};
-      const auto& counts = conn.ledger.counts();
+      const auto counts = conn.ledger.counts();
       s.open = conn.phase == Phase::OPEN && !conn.close_requested.load(std::memory_order_relaxed);
       if (conn.phase >= Phase::OPEN &&
           conn.established_at != std::chrono::steady_clock::time_point{}) {

@@ -39,15 +39,22 @@ class SendLedger {
   };
 
   [[nodiscard]] bool closed() const noexcept { return m_closed; }
-  [[nodiscard]] std::size_t outstanding() const noexcept { return m_outstanding; }
-  [[nodiscard]] const Counts& counts() const noexcept { return m_counts; }
+  // Accepted sends are numbered from 0 (their tickets), so their count and what is still
+  // open are derived rather than counted on every send.
+  [[nodiscard]] std::size_t outstanding() const noexcept {
+    return static_cast<std::size_t>(accepted() - m_completed - m_cancelled);
+  }
+  [[nodiscard]] Counts counts() const noexcept {
+    return Counts{.accepted = accepted(),
+                  .completed = m_completed,
+                  .cancelled = m_cancelled,
+                  .bytes_completed = m_bytes_completed};
+  }
 
   Ticket add(PendingSend send) {
     assert(!m_closed);
     if (send.buffer != nullptr) send.bytes = send.buffer->size();
     m_entries.push_back(Entry{send, false});
-    ++m_outstanding;
-    ++m_counts.accepted;
     return m_base + m_entries.size() - 1;
   }
 
@@ -57,8 +64,6 @@ class SendLedger {
     assert(!m_closed && !m_entries.empty() && ticket == m_base + m_entries.size() - 1);
     (void)ticket;
     m_entries.pop_back();
-    --m_outstanding;
-    --m_counts.accepted;
   }
 
   // Completes one ticket; false (and nothing changes) if it is unknown, already ended, or
@@ -69,9 +74,8 @@ class SendLedger {
     if (entry.done) return false;
     entry.done = true;
     out = entry.send;
-    --m_outstanding;
-    ++m_counts.completed;
-    m_counts.bytes_completed += entry.send.bytes;
+    ++m_completed;
+    m_bytes_completed += entry.send.bytes;
     while (!m_entries.empty() && m_entries.front().done) {
       m_entries.pop_front();
       ++m_base;
@@ -82,14 +86,13 @@ class SendLedger {
   // Ends every open send as cancelled, in acceptance order, and closes the ledger.
   std::vector<PendingSend> cancel_all() {
     std::vector<PendingSend> cancelled;
-    cancelled.reserve(m_outstanding);
+    cancelled.reserve(outstanding());
     for (const auto& entry : m_entries) {
       if (!entry.done) cancelled.push_back(entry.send);
     }
+    m_cancelled += cancelled.size();
     m_base += m_entries.size();
     m_entries.clear();
-    m_counts.cancelled += m_outstanding;
-    m_outstanding = 0;
     m_closed = true;
     return cancelled;
   }
@@ -100,10 +103,13 @@ class SendLedger {
     bool done;
   };
   LazyDeque<Entry> m_entries;
+  [[nodiscard]] std::uint64_t accepted() const noexcept { return m_base + m_entries.size(); }
+
   Ticket m_base{0};  // ticket of m_entries.front()
-  std::size_t m_outstanding{0};
+  std::uint64_t m_completed{0};
+  std::uint64_t m_cancelled{0};
+  std::uint64_t m_bytes_completed{0};
   bool m_closed{false};
-  Counts m_counts;
 };
 
 // Cancels every open send of a connection (closing its ledger): the buffers of buffered
