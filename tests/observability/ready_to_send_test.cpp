@@ -8,6 +8,7 @@
 //   retrying on its own, delivers a million messages in order.
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <condition_variable>
 #include <csignal>
@@ -434,6 +435,41 @@ TEST_P(ReadyToSend, ASenderDrivenOnlyByTheCallbackDeliversEveryMessageInOrder) {
     EXPECT_EQ(log.ready.size(), refusals);
   }
   close_and_check(PUMP_MESSAGES, PUMP_SIZE);
+}
+
+// A sender that never lets the loop run - it sends from the loop thread until refused, as a
+// sender driven by the callback does - is refused within the backend's limits even when its
+// peer keeps up (UCX completes small sends at once; their reports count until handed out),
+// and the callback then comes.
+TEST_P(ReadyToSend, ASenderThatKeepsTheLoopBusyIsRefusedAndThenCalledBack) {
+  if (GetParam().type == BackendType::LIBFABRIC) {
+    GTEST_SKIP() << "libfabric: send_data_copy is NotSupported (docs/libfabric.md)";
+  }
+  to = start_receiver(PUMP_SIZE);
+  ASSERT_NE(to.port, 0);
+  backend = Netio3Backend::create(GetParam().type, config({}), loop.loop());
+  api([&] {
+    backend->open_active_endpoint(
+        to, ConnectionParameters{.recv_params = {.buf_size = RECV_BUF, .num_buf = 4}});
+  });
+  ASSERT_TRUE(log.wait([](const Log& l) { return l.established; }, Clock::now() + 60s));
+  // Far more than max_unsent_bytes (8 MiB) holds: refused long before unless unbounded.
+  constexpr std::uint64_t CAP = 2'000'000;
+  std::uint64_t sent = 0;
+  loop.loop()->run_sync([&] {
+    std::array<std::uint8_t, PUMP_SIZE> message{};
+    for (; sent < CAP; ++sent) {
+      fill(message.data(), PUMP_SIZE, sent);
+      const auto status =
+          backend->send_data_copy(to, std::span<const std::uint8_t>{message}, {}, sent);
+      if (status == NetioStatus::NO_RESOURCES) break;
+      ASSERT_EQ(status, NetioStatus::OK);
+    }
+  });
+  EXPECT_LT(sent, CAP) << "never refused";
+  ASSERT_TRUE(log.wait([](const Log& l) { return !l.ready.empty(); }, Clock::now() + 60s));
+  ASSERT_TRUE(log.wait([&](const Log& l) { return l.completed == sent; }, Clock::now() + 60s));
+  close_and_check(sent, PUMP_SIZE);
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, ReadyToSend, ::testing::ValuesIn(cases()),

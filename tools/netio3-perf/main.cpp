@@ -70,9 +70,9 @@ run options:
   --quiet                            no progress line
   --stats                            print the client backend's statistics after each run
                                      (NetworkBackend::backend_statistics)
-  --on-ready                         throughput with --threads 0: send only from
-                                     on_ready_to_send_cb (after one fill per connection),
-                                     never retry from the loop
+  --on-ready                         throughput with --threads 0, buffered or copy: send
+                                     only from on_ready_to_send_cb (after one fill per
+                                     connection), never retry from the loop
 exit status: 0 every message arrived intact, 1 something was lost or corrupted,
              2 bad options, 3 a run could not be done
 )";
@@ -302,6 +302,10 @@ int run_clients(const Args& args, bool loopback) {
   base.on_ready = args.flag("on-ready");
   if (base.on_ready && (base.threads > 0 || base.test != Test::THROUGHPUT)) {
     throw UsageError{"--on-ready: throughput with --threads 0 only"};
+  }
+  if (base.on_ready && base.send == SendKind::ZERO_COPY) {
+    // Its slots are netio3-perf's own window: a full window is no refusal of the backend's.
+    throw UsageError{"--on-ready: buffered or copy sends"};
   }
   const auto sizes = parse_sizes(args.get("size", "4k"));
   const std::string json_path = args.get("json", "");

@@ -39,7 +39,10 @@ NetioStatus Backend::send_message(Connection& conn, std::span<const std::uint8_t
                   conn.remote, size, conn.peer_max);
       return NetioStatus::FAILED;
     }
-    if (conn.unsent_bytes >= m_config.limits.max_unsent_bytes || conn.data_ops >= MAX_SEND_DEPTH) {
+    // Sends that UCX took at once count until their completion is reported: a sender on
+    // the loop thread whose peer keeps up would otherwise queue reports without bound.
+    if (conn.unsent_bytes >= m_config.limits.max_unsent_bytes ||
+        conn.data_ops + conn.completions_queued >= MAX_SEND_DEPTH) {
       return NetioStatus::NO_RESOURCES;
     }
     SendOp& op = take_op(conn);
