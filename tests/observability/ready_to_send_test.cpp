@@ -27,6 +27,7 @@
 #include <gtest/gtest.h>
 #include <netio3/netio3.hpp>
 
+#include "backend_cases.hpp"
 #include "test_support.hpp"
 
 namespace netio3::test {
@@ -103,21 +104,6 @@ TEST(DISABLED_ReadyReceiver, Run) {
   (void)std::fflush(stdout);
 }
 
-struct Case {
-  BackendType type;
-  ThreadSafetyModel model;
-};
-
-std::vector<Case> cases() {
-  std::vector<Case> out;
-  for (const auto type : Netio3Backend::available()) {
-    for (const auto model : {ThreadSafetyModel::SAFE, ThreadSafetyModel::UNSAFE}) {
-      out.push_back({type, model});
-    }
-  }
-  return out;
-}
-
 // What the sender's callbacks saw, with times.
 struct Log {
   mutable std::mutex mutex;
@@ -144,7 +130,7 @@ struct Log {
   }
 };
 
-class ReadyToSend : public ::testing::TestWithParam<Case> {
+class ReadyToSend : public ::testing::TestWithParam<BackendCase> {
  protected:
   // Starts the receiver for messages of `size` bytes; its address.
   EndPointAddress start_receiver(std::size_t size) {
@@ -320,8 +306,7 @@ TEST_P(ReadyToSend, ComesOnceAfterAStoppedReceiverResumesAndNotWhileItIsStopped)
   std::printf(
       "[ measure  ] %s: %zu episodes before the sender stalled; its loop woke %.1f times/s "
       "while the receiver was stopped\n",
-      fmt::format("{}_{}", to_string(GetParam().type), to_string(GetParam().model)).c_str(),
-      episodes, wakeups_per_s);
+      backend_case_name(GetParam()).c_str(), episodes, wakeups_per_s);
   EXPECT_LE(wakeups_per_s, MAX_WAKEUPS_PER_S);
 
   // ---- The receiver continues: one callback, right after the first completion.
@@ -424,10 +409,9 @@ TEST_P(ReadyToSend, ASenderDrivenOnlyByTheCallbackDeliversEveryMessageInOrder) {
     std::printf(
         "[ measure  ] %s: %llu messages in %.2f s (%.0f/s), %llu refusals, %llu sends from "
         "the callback\n",
-        fmt::format("{}_{}", to_string(GetParam().type), to_string(GetParam().model)).c_str(),
-        static_cast<unsigned long long>(PUMP_MESSAGES), seconds,
-        static_cast<double>(PUMP_MESSAGES) / seconds, static_cast<unsigned long long>(refusals),
-        static_cast<unsigned long long>(pumps - 1));
+        backend_case_name(GetParam()).c_str(), static_cast<unsigned long long>(PUMP_MESSAGES),
+        seconds, static_cast<double>(PUMP_MESSAGES) / seconds,
+        static_cast<unsigned long long>(refusals), static_cast<unsigned long long>(pumps - 1));
   });
   {
     const std::lock_guard lock{log.mutex};
@@ -472,11 +456,8 @@ TEST_P(ReadyToSend, ASenderThatKeepsTheLoopBusyIsRefusedAndThenCalledBack) {
   close_and_check(sent, PUMP_SIZE);
 }
 
-INSTANTIATE_TEST_SUITE_P(Backends, ReadyToSend, ::testing::ValuesIn(cases()),
-                         [](const ::testing::TestParamInfo<Case>& param_info) {
-                           return fmt::format("{}_{}", to_string(param_info.param.type),
-                                              to_string(param_info.param.model));
-                         });
+INSTANTIATE_TEST_SUITE_P(Backends, ReadyToSend, ::testing::ValuesIn(backend_cases()),
+                         [](const auto& param_info) { return backend_case_name(param_info); });
 
 }  // namespace
 }  // namespace netio3::test

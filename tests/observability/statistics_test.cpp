@@ -16,6 +16,7 @@
 #include <gtest/gtest.h>
 #include <netio3/netio3.hpp>
 
+#include "backend_cases.hpp"
 #include "test_support.hpp"
 
 namespace netio3::test {
@@ -23,25 +24,6 @@ namespace {
 
 using namespace std::chrono_literals;
 using Kind = Recorder::Kind;
-
-struct Case {
-  BackendType type;
-  ThreadSafetyModel model;
-};
-
-std::string case_name(const ::testing::TestParamInfo<Case>& info) {
-  return fmt::format("{}_{}", to_string(info.param.type), to_string(info.param.model));
-}
-
-std::vector<Case> cases() {
-  std::vector<Case> out;
-  for (const auto type : Netio3Backend::available()) {
-    for (const auto model : {ThreadSafetyModel::SAFE, ThreadSafetyModel::UNSAFE}) {
-      out.push_back({type, model});
-    }
-  }
-  return out;
-}
 
 constexpr std::size_t BUF_SIZE = 4096;
 constexpr std::size_t NUM_BUF = 16;
@@ -59,7 +41,7 @@ struct Sent {
   std::uint64_t bytes{0};
 };
 
-class Statistics : public ::testing::TestWithParam<Case> {
+class Statistics : public ::testing::TestWithParam<BackendCase> {
  protected:
   void SetUp() override {
     server =
@@ -211,7 +193,8 @@ TEST_P(Statistics, CountersAtBothEndsEqualWhatWasSentReceivedAndReported) {
   EXPECT_EQ(server_total.bytes_sent, down.bytes);
 }
 
-INSTANTIATE_TEST_SUITE_P(Backends, Statistics, ::testing::ValuesIn(cases()), case_name);
+INSTANTIATE_TEST_SUITE_P(Backends, Statistics, ::testing::ValuesIn(backend_cases()),
+                         [](const auto& param_info) { return backend_case_name(param_info); });
 
 }  // namespace
 }  // namespace netio3::test
