@@ -386,16 +386,19 @@ void Backend::on_cm_event(Domain& domain, std::uint32_t event, const fi_eq_cm_en
     case FI_CONNECTED:
       if (auto conn = m_registry.by_id(id_of(entry.fid))) on_connected(conn, data);
       break;
-    case FI_SHUTDOWN:
+    case FI_SHUTDOWN: {
       // The provider reports what it read before the peer's end of stream on the
       // completion queue and the end itself on the event queue, and the loop may read the
       // event queue first: deliver those messages before the close discards the receives.
+      // The id first: the drain may close the connection (a send failed) and free its
+      // endpoint, which entry.fid points to.
+      const std::uint64_t id = id_of(entry.fid);
       (void)drain_cq(domain);
       if (shut_down()) return;
-      if (auto conn = m_registry.by_id(id_of(entry.fid))) {
+      if (auto conn = m_registry.by_id(id))
         close(conn, "peer closed the connection", CloseCause::PEER);
-      }
       break;
+    }
     default:
       NETIO3_DEBUG("libfabric: ignoring event queue event {}", event);
       break;
