@@ -9,3 +9,4 @@
 #include <netio3/network_buffer.hpp>
 #include <netio3/statistics.hpp>
 #include <netio3/types.hpp>
+#include <netio3/version.hpp>

@@ -9,6 +9,14 @@
 
 int main() {
   using namespace netio3;
+  // The library it runs with is the one whose headers it was built against.
+  const Version v = version();
+  if (v.major != NETIO3_VERSION_MAJOR || v.minor != NETIO3_VERSION_MINOR ||
+      v.patch != NETIO3_VERSION_PATCH || version_string() != NETIO3_VERSION_STRING) {
+    std::printf("consumer: headers %s, library %.*s\n", NETIO3_VERSION_STRING,
+                static_cast<int>(version_string().size()), version_string().data());
+    return 1;
+  }
   std::mutex mutex;
   std::condition_variable cv;
   std::vector<std::uint8_t> received;
