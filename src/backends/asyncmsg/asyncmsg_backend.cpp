@@ -601,8 +601,31 @@ bool Backend::after_decode(const std::shared_ptr<Connection>& conn, FrameDecoder
 
 void Backend::flush(const std::shared_ptr<Connection>& conn) {
   std::array<iovec, MAX_IOV> iov{};
-  std::vector<detail::SendLedger::Ticket> finished;
-  std::vector<detail::PendingSend> finished_sends;
+  // The lists of what one write finished are kept between calls, per thread (the loop's):
+  // allocated in every call, a write of thousands of small messages freed its lists and
+  // touched fresh memory each time (glibc handed it back with madvise; the loop paid the
+  // TLB shootdowns and page faults: -11% msg/s for 64 B copy sends). Borrowed for the call
+  // (a flush inside a completion callback finds them empty and makes its own) and given
+  // back even when a callback destroyed the backend: thread storage outlives it.
+  thread_local std::vector<detail::SendLedger::Ticket> kept_tickets;
+  thread_local std::vector<detail::PendingSend> kept_sends;
+  struct Borrowed {
+    std::vector<detail::SendLedger::Ticket> tickets{std::move(kept_tickets)};
+    std::vector<detail::PendingSend> sends{std::move(kept_sends)};
+    Borrowed() = default;
+    Borrowed(const Borrowed&) = delete;
+    Borrowed& operator=(const Borrowed&) = delete;
+    Borrowed(Borrowed&&) = delete;
+    Borrowed& operator=(Borrowed&&) = delete;
+    ~Borrowed() {
+      tickets.clear();
+      sends.clear();
+      if (tickets.capacity() > kept_tickets.capacity()) kept_tickets = std::move(tickets);
+      if (sends.capacity() > kept_sends.capacity()) kept_sends = std::move(sends);
+    }
+  } borrowed;
+  auto& finished = borrowed.tickets;
+  auto& finished_sends = borrowed.sends;
   for (int round = 0; round < WRITES_PER_FLUSH; ++round) {
     std::size_t count = 0;
     {
