@@ -316,6 +316,53 @@ TEST_P(Api, OneBackendCanConnectToItself) {
       << "the accepted side (closed with its listener) and the active side (closed by the peer)";
 }
 
+// Memory runs out while a connection is accepted: the listener asks for 4 TiB of send
+// buffers per connection, which no allocator here can give (the sanitizer presets set
+// allocator_may_return_null, so ASan and TSan fail the allocation as glibc does instead of
+// aborting). The connection is dropped with the reason in the server's log and no callback
+// on the server; the client is refused (asyncmsg: the server allocates once the client has
+// greeted, and the greetings cross, so the client saw it established and then closed, with
+// no key); the connection that was already open keeps working, and another listener of the
+// same backend accepts a new connection afterwards.
+TEST_P(Api, AConnectionWhoseBuffersCannotBeAllocatedIsDroppedAndNothingElseIsHurt) {
+  test::LogCapture log{LogLevel::warn};
+  auto server = make_node();
+  auto client = make_node();
+  const ConnectionParameters sender{.send_buffered_params = {.buf_size = 4096, .num_buf = 8}};
+  const auto good = connect_to_new_listener(*server, *client, sender);
+  ASSERT_TRUE(good.has_value());
+  const ConnectionParameters unaffordable{
+      .send_buffered_params = {.buf_size = std::size_t{1} << 40U, .num_buf = 4}};
+  const auto greedy = server->call([&] {
+    return server->backend->open_listen_endpoint({test::test_address(), 0}, unaffordable);
+  });
+  client->call([&] { client->backend->open_active_endpoint(greedy, sender); });
+  if (GetParam().backend == BackendType::ASYNCMSG) {
+    ASSERT_TRUE(client->rec.wait([&](const Recorder& r) {
+      return r.count(Kind::ESTABLISHED, greedy) == 1 && r.count(Kind::CLOSED, greedy) == 1;
+    })) << log.text();
+    EXPECT_EQ(client->rec.count(Kind::REFUSED, greedy), 0U);
+  } else {
+    ASSERT_TRUE(client->rec.wait([&](const Recorder& r) {
+      return r.count(Kind::REFUSED, greedy) == 1;
+    })) << log.text();
+    EXPECT_EQ(client->rec.count(Kind::ESTABLISHED, greedy), 0U);
+  }
+  EXPECT_TRUE(log.wait("bad_alloc", 1, LogLevel::warn)) << "no reason logged:\n" << log.text();
+  // The server saw one connection (the good one) and nothing of the refused one.
+  EXPECT_EQ(server->rec.count(Kind::ESTABLISHED), 1U);
+  EXPECT_EQ(server->rec.count(Kind::CLOSED), 0U);
+  // The open connection carries on.
+  const auto message = test::pattern(11, 512);
+  ASSERT_EQ(send_one(*client, *good, SendMode::BUFFERED, message, {}, 1), NetioStatus::OK);
+  ASSERT_TRUE(server->rec.wait([](const Recorder& r) { return r.count(Kind::DATA) == 1; }));
+  EXPECT_EQ(server->rec.messages_snapshot().at(0), message);
+  // And the backend accepts what it can afford.
+  auto second = make_node();
+  EXPECT_TRUE(connect_to_new_listener(*server, *second, sender).has_value());
+  EXPECT_EQ(client->rec.count(Kind::CLOSED, *good), 0U);
+}
+
 // UNSAFE promises calls from the loop thread only; backends that honour it check it.
 TEST_P(Api, UnsafeModelRejectsCallsFromForeignThreadsWhileTheLoopRuns) {
   if (GetParam().model == ThreadSafetyModel::SAFE) GTEST_SKIP() << "SAFE allows any thread";

@@ -391,7 +391,11 @@ bool Backend::on_greeting(const std::shared_ptr<Connection>& conn, const Greetin
   try {
     if (!conn->active()) attach_send_pool(*conn);
   } catch (const std::exception& e) {
-    close(conn, fmt::format("cannot allocate send buffers: {}", e.what()), CloseCause::ERROR);
+    // Allocated only once the peer has greeted (a silent connection costs no buffers);
+    // the greetings cross, so the peer may already count the connection as established.
+    const auto reason = fmt::format("cannot allocate send buffers: {}", e.what());
+    NETIO3_WARN("asyncmsg: closing connection with {}: {}", conn->remote, reason);
+    close(conn, reason, CloseCause::ERROR);
     return false;
   }
   {
