@@ -18,155 +18,199 @@
 #include <vector>
 
 #include <fmt/format.h>
+#include <netio3/export.hpp>
 
 namespace netio3 {
 
-// An IP address (numeric IPv4 or IPv6; host names are not resolved because opening an
-// endpoint must never block) and a TCP/IP port. Port 0 asks the OS for a free port.
+/// An IP address (numeric IPv4 or IPv6; host names are not resolved because opening an
+/// endpoint must never block) and a TCP/IP port. Port 0 asks the OS for a free port.
 struct EndPointAddress {
-  std::string address;
-  std::uint16_t port{};
+  std::string address;   ///< numeric IPv4 ("10.0.0.1") or IPv6 ("::1") address
+  std::uint16_t port{};  ///< TCP/IP port; 0 when opening a listen endpoint: any free port
 
+  /// Equal when address and port are.
   friend bool operator==(const EndPointAddress&, const EndPointAddress&) = default;
+  /// Ordered by address, then port (for ordered containers).
   friend std::strong_ordering operator<=>(const EndPointAddress&, const EndPointAddress&) = default;
 };
 
-// "ip:port", or "[ip]:port" for IPv6.
-[[nodiscard]] std::string to_string(const EndPointAddress& address);
-std::ostream& operator<<(std::ostream& os, const EndPointAddress& address);
+/// "ip:port", or "[ip]:port" for IPv6.
+[[nodiscard]] NETIO3_API std::string to_string(const EndPointAddress& address);
+/// Writes to_string(address).
+NETIO3_API std::ostream& operator<<(std::ostream& os, const EndPointAddress& address);
 
-enum class BackendType { ASYNCMSG, LIBFABRIC, UCX };
+/// The transport a backend uses (Netio3Backend::create).
+enum class BackendType {
+  ASYNCMSG,   ///< TCP through Boost.Asio, netio3's own framing
+  LIBFABRIC,  ///< libfabric: verbs (RDMA) or its tcp provider
+  UCX         ///< UCX: RDMA transports, shared memory, or tcp
+};
+/// Which of its networks a backend uses: RDMA (verbs, UCX's RDMA and shared-memory
+/// transports) or TCP. asyncmsg is always TCP.
 enum class NetworkMode { RDMA, TCP };
+/// SAFE: every backend member may be called from any thread. UNSAFE: only on the event-loop
+/// thread, or while the loop does not run; cheaper (no locks on the send path).
 enum class ThreadSafetyModel { SAFE, UNSAFE };
-enum class NetioStatus { OK, NO_RESOURCES, FAILED };
+/// Result of a send.
+enum class NetioStatus {
+  OK,            ///< accepted: ends once, in on_send_completed_cb or as a cancelled key
+  NO_RESOURCES,  ///< not accepted now (no buffer, window or queue space): try again later
+  FAILED         ///< not accepted and will not be (no such connection, message too large)
+};
 
-// Names are lower case: "asyncmsg", "libfabric", "ucx"; "rdma", "tcp"; "safe", "unsafe";
-// "ok", "no_resources", "failed". Parsing is case-insensitive and returns nullopt for an
-// unknown name.
-[[nodiscard]] std::string_view to_string(BackendType type) noexcept;
-[[nodiscard]] std::string_view to_string(NetworkMode mode) noexcept;
-[[nodiscard]] std::string_view to_string(ThreadSafetyModel model) noexcept;
-[[nodiscard]] std::string_view to_string(NetioStatus status) noexcept;
-[[nodiscard]] std::optional<BackendType> parse_backend_type(std::string_view name) noexcept;
-[[nodiscard]] std::optional<NetworkMode> parse_network_mode(std::string_view name) noexcept;
-[[nodiscard]] std::optional<ThreadSafetyModel> parse_thread_safety_model(
+/// Names are lower case: "asyncmsg", "libfabric", "ucx"; "rdma", "tcp"; "safe", "unsafe";
+/// "ok", "no_resources", "failed". Parsing is case-insensitive and returns nullopt for an
+/// unknown name.
+[[nodiscard]] NETIO3_API std::string_view to_string(BackendType type) noexcept;
+[[nodiscard]] NETIO3_API std::string_view to_string(NetworkMode mode) noexcept;
+[[nodiscard]] NETIO3_API std::string_view to_string(ThreadSafetyModel model) noexcept;
+[[nodiscard]] NETIO3_API std::string_view to_string(NetioStatus status) noexcept;
+[[nodiscard]] NETIO3_API std::optional<BackendType> parse_backend_type(
+    std::string_view name) noexcept;
+[[nodiscard]] NETIO3_API std::optional<NetworkMode> parse_network_mode(
+    std::string_view name) noexcept;
+[[nodiscard]] NETIO3_API std::optional<ThreadSafetyModel> parse_thread_safety_model(
     std::string_view name) noexcept;
 
-// What a connection can do, as seen from the local side.
+/// What a connection can do, as seen from the local side.
 struct EndpointCapabilities {
-  bool send_buffered{};
-  bool send_copy{};
-  bool send_zero_copy{};
-  bool receive{};
+  bool send_buffered{};   ///< get_buffer / send_buffer work (a send buffer pool exists)
+  bool send_copy{};       ///< send_data_copy works
+  bool send_zero_copy{};  ///< send_data works (a zero-copy region was given)
+  bool receive{};         ///< messages from the peer are delivered (a receive pool exists)
 
+  /// Equal when every capability is.
   friend bool operator==(const EndpointCapabilities&, const EndpointCapabilities&) = default;
 };
 
+/// Receive buffers of a connection (ConnectionParameters::recv_params).
 struct RecvParameters {
-  std::size_t buf_size{};
-  std::size_t num_buf{};  // 0: receiving not requested
-  // On a listen endpoint: all connections it spawns share one receive pool.
+  std::size_t buf_size{};  ///< bytes per buffer: the largest message received
+  std::size_t num_buf{};   ///< 0: receiving not requested
+  /// On a listen endpoint: all connections it spawns share one receive pool.
   bool use_shared_receive_buffers{};
 };
 
+/// Send buffers of a connection, handed out by NetworkBackend::get_buffer.
 struct SendBufferedParameters {
-  std::size_t buf_size{};
-  std::size_t num_buf{};  // 0: buffered sending not requested
+  std::size_t buf_size{};  ///< bytes per buffer: the largest buffered message
+  std::size_t num_buf{};   ///< 0: buffered sending not requested
 };
 
+/// The memory region a connection sends from without copying (NetworkBackend::send_data).
 struct SendZeroCopyParameters {
-  std::size_t buf_size{};           // length of the region starting at mr_start
-  std::uint8_t* mr_start{nullptr};  // nullptr: zero-copy sending not requested
+  std::size_t buf_size{};           ///< length of the region starting at mr_start
+  std::uint8_t* mr_start{nullptr};  ///< nullptr: zero-copy sending not requested
 };
 
+/// What a connection (open_active_endpoint) or the connections of a listen endpoint
+/// (open_listen_endpoint) need: receive buffers, send buffers, a zero-copy region.
 struct ConnectionParameters {
-  RecvParameters recv_params{};
-  SendBufferedParameters send_buffered_params{};
-  SendZeroCopyParameters send_zero_copy_params{};
+  RecvParameters recv_params{};                    ///< receiving
+  SendBufferedParameters send_buffered_params{};   ///< buffered sending
+  SendZeroCopyParameters send_zero_copy_params{};  ///< zero-copy sending
 };
 
+/// One receive pool for every connection of the backend (NetworkConfig).
 struct SharedReceiveBuffers {
-  bool use_shared_receive_buffers{};
-  std::size_t buf_size{};
-  std::size_t num_buf{};
+  bool use_shared_receive_buffers{};  ///< false: each connection has its own pool
+  std::size_t buf_size{};             ///< bytes per buffer
+  std::size_t num_buf{};              ///< buffers in the pool
 };
 
+/// One send pool for every connection of the backend (NetworkConfig).
 struct SharedSendBuffers {
-  bool use_shared_send_buffers{};
-  std::size_t buf_size{};
-  std::size_t num_buf{};
+  bool use_shared_send_buffers{};  ///< false: each connection has its own pool
+  std::size_t buf_size{};          ///< bytes per buffer
+  std::size_t num_buf{};           ///< buffers in the pool
 };
 
 // Callbacks. Every one is optional and runs on the event-loop thread, never under a lock
 // of the library, so it may call back into the backend (send, close, even destroy it).
 // An exception escaping a callback is caught and logged at error level.
+
+/// A message arrived: `data` is valid until the callback returns. Runs on the event-loop
+/// thread, never under a lock of the library; it may send, close, even destroy the
+/// backend. An exception escaping any callback is caught and logged at error level.
 using OnDataCb = std::function<void(std::span<const std::uint8_t> data)>;
+/// A connection was set up, actively or passively; sends to `remote` may begin.
 using OnConnectionEstablishedCb =
     std::function<void(const EndPointAddress& remote, EndpointCapabilities capabilities)>;
+/// A connection that was established ended (closed by either side, or its peer was lost);
+/// the keys of its accepted sends that did not complete are reported here, once.
 using OnConnectionClosedKeysCb = std::function<void(
     const EndPointAddress& remote, const std::vector<std::uint64_t>& cancelled_keys)>;
+/// An active connection could not be set up (refused, unreachable, timed out).
 using OnConnectionRefusedCb = std::function<void(const EndPointAddress& remote)>;
+/// A send that returned OK completed; its buffer or region may be reused.
 using OnSendCompleted = std::function<void(const EndPointAddress& remote, std::uint64_t key)>;
-// A connection on which a send returned NO_RESOURCES (or get_buffer returned nullptr) can
-// take a send again: a send completed (a buffer came back, window or queue space freed), a
-// buffer came back to the shared send pool, or the connection was set up. Edge-triggered:
-// once per such episode, however many refusals it had and however many buffers came back;
-// the next refusal begins the next episode. Never for a connection that is closing or
-// closed (docs/observability.md).
+/// A connection on which a send returned NO_RESOURCES (or get_buffer returned nullptr) can
+/// take a send again: a send completed (a buffer came back, window or queue space freed), a
+/// buffer came back to the shared send pool, or the connection was set up. Edge-triggered:
+/// once per such episode, however many refusals it had and however many buffers came back;
+/// the next refusal begins the next episode. Never for a connection that is closing or
+/// closed (docs/observability.md).
 using OnReadyToSendCb = std::function<void(const EndPointAddress& remote)>;
 
+/// Default of NetworkLimits::max_message_size: 64 MiB.
 inline constexpr std::size_t DEFAULT_MAX_MESSAGE_SIZE = std::size_t{64} << 20U;
+/// Default of NetworkLimits::max_unsent_bytes: 8 MiB.
 inline constexpr std::size_t DEFAULT_MAX_UNSENT_BYTES = std::size_t{8} << 20U;
+/// Default of NetworkLimits::max_receive_memory: 1 GiB.
 inline constexpr std::size_t DEFAULT_MAX_RECEIVE_MEMORY = std::size_t{1} << 30U;
 
-// Bounds that protect a process from its peers and from itself. Appended to NetworkConfig
-// after the members fixed by the contract.
+/// Bounds that protect a process from its peers and from itself. Appended to NetworkConfig
+/// after the members fixed by the contract.
 struct NetworkLimits {
-  // Largest message (header + payload) accepted for sending or from the network. A peer
-  // announcing a bigger one is disconnected with a logged reason.
+  /// Largest message (header + payload) accepted for sending or from the network. A peer
+  /// announcing a bigger one is disconnected with a logged reason.
   std::size_t max_message_size{DEFAULT_MAX_MESSAGE_SIZE};
-  // Bytes a connection may hold accepted-but-unsent before sends return NO_RESOURCES.
+  /// Bytes a connection may hold accepted-but-unsent before sends return NO_RESOURCES.
   std::size_t max_unsent_bytes{DEFAULT_MAX_UNSENT_BYTES};
-  // Bytes the backend may hold in messages still arriving, over all its connections
-  // (asyncmsg: the bodies that do not come in one read). A connection whose next message
-  // would exceed it stops reading - TCP pushes back on its sender - until messages in
-  // progress complete. Must be at least max_message_size. libfabric receives into its
-  // fixed pools and UCX into pool buffers or per-message heap blocks, so they do not use it.
+  /// Bytes the backend may hold in messages still arriving, over all its connections
+  /// (asyncmsg: the bodies that do not come in one read). A connection whose next message
+  /// would exceed it stops reading - TCP pushes back on its sender - until messages in
+  /// progress complete. Must be at least max_message_size. libfabric receives into its
+  /// fixed pools and UCX into pool buffers or per-message heap blocks, so they do not use it.
   std::size_t max_receive_memory{DEFAULT_MAX_RECEIVE_MEMORY};
-  // Connection set-up (TCP connect plus protocol greeting) must finish within this time,
-  // otherwise the active side gets on_connection_refused_cb and the passive side drops it.
+  /// Connection set-up (TCP connect plus protocol greeting) must finish within this time,
+  /// otherwise the active side gets on_connection_refused_cb and the passive side drops it.
   std::chrono::milliseconds connect_timeout{std::chrono::seconds{10}};
-  // A close waits at most this long for sends the transport still holds to go out (UCX
-  // flushes its endpoint); what has not completed by then is reported as cancelled.
-  // asyncmsg and libfabric close at once and do not use it.
+  /// A close waits at most this long for sends the transport still holds to go out (UCX
+  /// flushes its endpoint); what has not completed by then is reported as cancelled.
+  /// asyncmsg and libfabric close at once and do not use it.
   std::chrono::milliseconds close_timeout{std::chrono::seconds{2}};
-  // A connection from which nothing arrived for this time - a dead host, a cut link, a hung
-  // peer process - is closed (on_connection_closed_cb, every accepted key ends once), whether
-  // data is being sent or the connection is idle. Every backend sends heartbeats in its own
-  // protocol every peer_timeout / 10 to a peer whose protocol version has them; a peer that
-  // is gone is noticed between this time and 1.3 times it after it went (docs/
-  // reliability.md). Peers of older versions get no heartbeats and are watched
-  // only through TCP (keepalive and TCP_USER_TIMEOUT on the sockets netio3 owns).
+  /// A connection from which nothing arrived for this time - a dead host, a cut link, a hung
+  /// peer process - is closed (on_connection_closed_cb, every accepted key ends once), whether
+  /// data is being sent or the connection is idle. Every backend sends heartbeats in its own
+  /// protocol every peer_timeout / 10 to a peer whose protocol version has them; a peer that
+  /// is gone is noticed between this time and 1.3 times it after it went (docs/
+  /// reliability.md). Peers of older versions get no heartbeats and are watched
+  /// only through TCP (keepalive and TCP_USER_TIMEOUT on the sockets netio3 owns).
   std::chrono::milliseconds peer_timeout{std::chrono::seconds{30}};
 };
 
+/// Everything a backend is created with (Netio3Backend::create). The members up to
+/// on_send_completed_cb are those of the documented contract, in its order, so aggregate
+/// initialisation as in the user documentation compiles; later members are appended.
 struct NetworkConfig {
-  NetworkMode mode{NetworkMode::TCP};
-  ThreadSafetyModel thread_safety{ThreadSafetyModel::SAFE};
-  SharedReceiveBuffers shared_receive_buffers{};
-  SharedSendBuffers shared_send_buffers{};
-  OnDataCb on_data_cb{};
-  OnConnectionEstablishedCb on_connection_established_cb{};
-  OnConnectionClosedKeysCb on_connection_closed_cb{};
-  OnConnectionRefusedCb on_connection_refused_cb{};
-  OnSendCompleted on_send_completed_cb{};
-  NetworkLimits limits{};
-  // Optional; appended after the members of the contract (see OnReadyToSendCb).
+  NetworkMode mode{NetworkMode::TCP};                        ///< RDMA or TCP network
+  ThreadSafetyModel thread_safety{ThreadSafetyModel::SAFE};  ///< who may call the backend
+  SharedReceiveBuffers shared_receive_buffers{};             ///< one receive pool for all
+  SharedSendBuffers shared_send_buffers{};                   ///< one send pool for all
+  OnDataCb on_data_cb{};                                     ///< a message arrived
+  OnConnectionEstablishedCb on_connection_established_cb{};  ///< a connection is up
+  OnConnectionClosedKeysCb on_connection_closed_cb{};        ///< a connection ended
+  OnConnectionRefusedCb on_connection_refused_cb{};          ///< a connection failed
+  OnSendCompleted on_send_completed_cb{};                    ///< a send completed
+  NetworkLimits limits{};                                    ///< bounds against peers and overload
+  /// Optional; appended after the members of the contract (see OnReadyToSendCb).
   OnReadyToSendCb on_ready_to_send_cb{};
 };
 
 }  // namespace netio3
 
+/// @cond INTERNAL
 template <>
 struct std::hash<netio3::EndPointAddress> {
   std::size_t operator()(const netio3::EndPointAddress& a) const noexcept {
@@ -197,3 +241,4 @@ NETIO3_DETAIL_ENUM_FORMATTER(netio3::NetworkMode)
 NETIO3_DETAIL_ENUM_FORMATTER(netio3::ThreadSafetyModel)
 NETIO3_DETAIL_ENUM_FORMATTER(netio3::NetioStatus)
 #undef NETIO3_DETAIL_ENUM_FORMATTER
+/// @endcond

@@ -35,6 +35,14 @@ int main() {
                                        loop);
   std::jthread thread{[&] { loop->run(); }};
   const auto listen = backend->open_listen_endpoint({"127.0.0.1", 0}, {});
+  // An exception thrown inside the library is caught by its type here: its type_info is
+  // exported (NETIO3_API), the internals are not.
+  try {
+    (void)backend->open_listen_endpoint(listen, {});
+    std::printf("consumer: listening twice on %s did not throw\n", to_string(listen).c_str());
+    return 1;
+  } catch (const ListenEndpointAlreadyExists&) {
+  }
   backend->open_active_endpoint(listen, {});
   const std::vector<std::uint8_t> payload{'h', 'i'};
   const std::vector<std::uint8_t> header{'>'};
