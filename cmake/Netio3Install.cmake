@@ -1,16 +1,20 @@
 include(GNUInstallDirs)
 include(CMakePackageConfigHelpers)
 
+# Two install components, one Debian package each (cmake/Netio3Packaging.cmake): runtime
+# (the shared library, netio3-perf) and development (headers, the libnetio3.so link, the
+# CMake package, netio3.pc; the static library of a static build).
 install(TARGETS netio3 EXPORT netio3Targets
-        LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
-        ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
-        RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR}
+        LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR} COMPONENT runtime
+                NAMELINK_COMPONENT development
+        ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR} COMPONENT development
+        RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR} COMPONENT runtime
         INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
-install(DIRECTORY include/netio3 DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
+install(DIRECTORY include/netio3 DESTINATION ${CMAKE_INSTALL_INCLUDEDIR} COMPONENT development)
 install(FILES ${PROJECT_BINARY_DIR}/generated/include/netio3/version.hpp
-        DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/netio3)
+        DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/netio3 COMPONENT development)
 install(EXPORT netio3Targets NAMESPACE netio3::
-        DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/netio3)
+        DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/netio3 COMPONENT development)
 
 configure_package_config_file(cmake/netio3Config.cmake.in
   ${CMAKE_CURRENT_BINARY_DIR}/netio3Config.cmake
@@ -32,8 +36,8 @@ file(RELATIVE_PATH NETIO3_PC_RELATIVE_PREFIX "/prefix/${CMAKE_INSTALL_LIBDIR}/pk
 string(REGEX REPLACE "/$" "" NETIO3_PC_RELATIVE_PREFIX "${NETIO3_PC_RELATIVE_PREFIX}")
 configure_file(cmake/netio3.pc.in ${CMAKE_CURRENT_BINARY_DIR}/netio3.pc @ONLY)
 install(FILES ${CMAKE_CURRENT_BINARY_DIR}/netio3.pc
-        DESTINATION ${CMAKE_INSTALL_LIBDIR}/pkgconfig)
+        DESTINATION ${CMAKE_INSTALL_LIBDIR}/pkgconfig COMPONENT development)
 
 install(FILES ${CMAKE_CURRENT_BINARY_DIR}/netio3Config.cmake
               ${CMAKE_CURRENT_BINARY_DIR}/netio3ConfigVersion.cmake
-        DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/netio3)
+        DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/netio3 COMPONENT development)
