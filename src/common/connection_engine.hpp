@@ -252,9 +252,10 @@ class ConnectionEngine {
       // leaves the registry, and its counts are in m_ended before it leaves m_ending, so
       // none is missed; one seen twice is counted once (by id).
       const std::lock_guard lock{m_ending_mutex};
-      for (const auto& [id, conn] : m_ending) {
-        if (std::ranges::none_of(all, [&](const auto& c) { return c->id == id; })) {
-          all.push_back(conn);
+      for (const auto& entry : m_ending) {
+        const auto id = entry.first;  // not a structured binding: clang 14 cannot capture one
+        if (std::ranges::none_of(all, [id](const auto& c) { return c->id == id; })) {
+          all.push_back(entry.second);
         }
       }
       total = m_ended;
@@ -739,13 +740,15 @@ class ConnectionEngine {
   // peer fell silent (common/liveness.hpp). From the liveness timer.
   void liveness_tick() {
     if (shut_down()) return;
-    const auto sweep = m_liveness->sweep([this](const Conn& conn) {
+    const auto receiving = [this](const Conn& conn) {
       if constexpr (requires { std::as_const(derived()).receiving(conn); }) {
         return std::as_const(derived()).receiving(conn);
       } else {
+        (void)this;  // only the backends that can stop reading use it
         return true;
       }
-    });
+    };
+    const auto sweep = m_liveness->sweep(receiving);
     for (const auto& conn : sweep.beat) {
       derived().send_heartbeat(conn);
       if (shut_down()) return;
