@@ -31,10 +31,10 @@ class LazyDeque {
   }
 
   // As std::deque: only on a non-empty queue.
-  T& front() noexcept { return m_deque->front(); }
-  const T& front() const noexcept { return m_deque->front(); }
-  T& back() noexcept { return m_deque->back(); }
-  const T& back() const noexcept { return m_deque->back(); }
+  [[nodiscard]] T& front() noexcept { return m_deque->front(); }
+  [[nodiscard]] const T& front() const noexcept { return m_deque->front(); }
+  [[nodiscard]] T& back() noexcept { return m_deque->back(); }
+  [[nodiscard]] const T& back() const noexcept { return m_deque->back(); }
   void pop_front() noexcept { m_deque->pop_front(); }
   void pop_back() noexcept { m_deque->pop_back(); }
   T& operator[](std::size_t i) noexcept { return (*m_deque)[i]; }
@@ -45,10 +45,14 @@ class LazyDeque {
   }
 
   // Value-initialised iterators compare equal: an unused queue is an empty range.
-  iterator begin() noexcept { return m_deque ? m_deque->begin() : iterator{}; }
-  iterator end() noexcept { return m_deque ? m_deque->end() : iterator{}; }
-  const_iterator begin() const noexcept { return m_deque ? m_deque->cbegin() : const_iterator{}; }
-  const_iterator end() const noexcept { return m_deque ? m_deque->cend() : const_iterator{}; }
+  [[nodiscard]] iterator begin() noexcept { return m_deque ? m_deque->begin() : iterator{}; }
+  [[nodiscard]] iterator end() noexcept { return m_deque ? m_deque->end() : iterator{}; }
+  [[nodiscard]] const_iterator begin() const noexcept {
+    return m_deque ? m_deque->cbegin() : const_iterator{};
+  }
+  [[nodiscard]] const_iterator end() const noexcept {
+    return m_deque ? m_deque->cend() : const_iterator{};
+  }
 
   // Whether the deque has been allocated (for tests).
   [[nodiscard]] bool allocated() const noexcept { return m_deque != nullptr; }

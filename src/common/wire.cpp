@@ -11,7 +11,7 @@ namespace {
 constexpr std::size_t MIN_BODY_CAP = 4096;
 // A body buffer larger than this is freed after its message was delivered, so an idle
 // connection holds no receive memory.
-constexpr std::size_t KEEP_BODY_CAP = 64 * 1024;
+constexpr std::size_t KEEP_BODY_CAP = std::size_t{64} * 1024;
 // Step by which a direct read may extend a partial message beyond what arrived so far.
 constexpr std::size_t DIRECT_STEP = std::size_t{1} << 20U;
 // A major version of another netio3 protocol: the peer is a backend of another type.

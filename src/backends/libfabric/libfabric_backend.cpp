@@ -102,7 +102,7 @@ EndPointAddress Backend::open_listen_endpoint(const EndPointAddress& address,
     throw FailedOpenListenEndpoint(
         fmt::format("libfabric: cannot listen on {}: {}", address, e.what()));
   }
-  const EndPointAddress actual = listener->address;
+  EndPointAddress actual = listener->address;
   m_registry.check_listen_free(held, actual);
   m_registry.index(listener);
   m_registry.add_listener(held, actual, std::move(listener));

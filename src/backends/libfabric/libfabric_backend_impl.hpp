@@ -71,10 +71,11 @@ struct Op {
   NetworkBuffer* buffer{nullptr};  // receive buffer, or the buffer of a buffered send
 };
 
+// libfabric carries an opaque context pointer; netio3 stores the connection id in it.
 inline void* as_context(std::uint64_t id) {
-  return reinterpret_cast<void*>(static_cast<std::uintptr_t>(id));
-}  // NOLINT
-inline std::uint64_t id_of(const fid_t fid) {
+  return reinterpret_cast<void*>(static_cast<std::uintptr_t>(id));  // NOLINT
+}
+inline std::uint64_t id_of(fid_t fid) {
   return fid == nullptr ? 0
                         : static_cast<std::uint64_t>(
                               reinterpret_cast<std::uintptr_t>(fid->context));  // NOLINT
@@ -157,7 +158,7 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
       "(RDMA sends from registered memory); use buffered or zero-copy sending";
   using Engine = detail::ConnectionEngine<Backend, Connection, Listener>;
 
-  Backend(NetworkConfig config, std::shared_ptr<BaseEventLoop> loop)
+  Backend(const NetworkConfig& config, std::shared_ptr<BaseEventLoop> loop)
       : Engine{NAME, config, std::move(loop), config.thread_safety},
         m_provider{choose_provider(m_config.mode)} {
     const auto& shared_tx = m_config.shared_send_buffers;

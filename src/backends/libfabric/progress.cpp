@@ -60,7 +60,8 @@ const std::vector<Domain*>& Backend::loop_domains() {
 
 void Backend::drain_all() {
   const auto& domains = loop_domains();
-  for (std::size_t i = 0; i < domains.size(); ++i) {
+  // By index: draining may open a domain (a connection request), which grows the vector.
+  for (std::size_t i = 0; i < domains.size(); ++i) {  // NOLINT(modernize-loop-convert)
     Domain* d = domains[i];
     if (shut_down()) return;
     if (!d->eq_paused) drain_eq(*d);
@@ -77,7 +78,8 @@ bool Backend::may_sleep() {
   if (m_loop->polling()) {
     // Busy-polling: the loop will not sleep this round; read the queues (which also
     // drives the provider's progress) instead of arming them.
-    for (std::size_t i = 0; i < domains.size(); ++i) {
+    for (std::size_t i = 0; i < domains.size();
+         ++i) {  // NOLINT(modernize-loop-convert): see drain_all
       Domain* d = domains[i];
       if (!d->eq_paused && drain_eq(*d) > 0) sleep = false;
       if (shut_down()) return true;
@@ -86,7 +88,8 @@ bool Backend::may_sleep() {
     }
     return sleep;
   }
-  for (std::size_t i = 0; i < domains.size(); ++i) {
+  for (std::size_t i = 0; i < domains.size();
+       ++i) {  // NOLINT(modernize-loop-convert): see drain_all
     Domain* d = domains[i];
     // A paused event queue is not asked: its listening socket stays readable.
     std::array<fid*, 2> fids{&d->cq()->fid, &d->eq()->fid};
@@ -338,7 +341,8 @@ void Backend::take_peer_cm_data(Connection& conn, const CmData& peer) {
 }
 
 void Backend::post_receive(Op& op, fid_ep* target) const {
-  const int rc = fi_recv(target, op.buffer->data(), op.buffer->capacity(), op.recv->desc, 0, &op);
+  const ssize_t rc =
+      fi_recv(target, op.buffer->data(), op.buffer->capacity(), op.recv->desc, 0, &op);
   if (rc != 0) {
     throw std::runtime_error(fmt::format("fi_recv failed: {}", fi_error(rc)));
   }

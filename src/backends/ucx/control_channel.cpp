@@ -445,7 +445,7 @@ void Backend::close_endpoint(const std::shared_ptr<Endpoint>& endpoint, const st
       conn->ep_closing = true;
     }
   }
-  const ucs_status_ptr_t request = ucp_ep_close_nbx(endpoint->handle, &param);
+  void* const request = ucp_ep_close_nbx(endpoint->handle, &param);
   if (request == nullptr || UCS_PTR_IS_ERR(request)) {
     push_event(Event{.kind = Event::Kind::EP_CLOSED, .id = endpoint->id});
   }

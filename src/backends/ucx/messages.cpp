@@ -188,8 +188,8 @@ ucs_status_t Backend::post(Connection& conn, SendOp& op, MessageType type, const
   }
   // The UCX header stays in the op until completion (UCX 1.13 has no
   // UCP_AM_SEND_FLAG_COPY_HEADER; with it the header could live on the stack).
-  const ucs_status_ptr_t request = ucp_am_send_nbx(conn.ep->handle, AM_ID, op.am_header.data(),
-                                                   op.am_header_len, buffer, count, &param);
+  void* const request = ucp_am_send_nbx(conn.ep->handle, AM_ID, op.am_header.data(),
+                                        op.am_header_len, buffer, count, &param);
   if (UCS_PTR_IS_ERR(request)) return UCS_PTR_STATUS(request);
   ++conn.tx_seq;
   if (request == nullptr) return UCS_OK;
@@ -578,8 +578,7 @@ void Backend::start_receive(Connection& conn, Incoming& slot) {
   void* desc = std::exchange(slot.desc, nullptr);
   ++conn.receiving;
   conn.receiving_bytes += slot.length;
-  const ucs_status_ptr_t request =
-      ucp_am_recv_data_nbx(m_worker->get(), desc, target, slot.length, &param);
+  void* const request = ucp_am_recv_data_nbx(m_worker->get(), desc, target, slot.length, &param);
   if (request == nullptr) {
     finish_receive(slot, UCS_OK, received);
   } else if (UCS_PTR_IS_ERR(request)) {

@@ -177,7 +177,7 @@ void Backend::shutdown() noexcept {
     ucp_request_param_t param{};
     param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
     param.flags = endpoint->failed ? static_cast<unsigned>(UCP_EP_CLOSE_FLAG_FORCE) : 0U;
-    const ucs_status_ptr_t request = ucp_ep_close_nbx(endpoint->handle, &param);
+    void* const request = ucp_ep_close_nbx(endpoint->handle, &param);
     if (request != nullptr && !UCS_PTR_IS_ERR(request)) closing.push_back(request);
   }
   // Closes that were under way before the shutdown complete through their callbacks.
@@ -258,7 +258,7 @@ EndPointAddress Backend::open_listen_endpoint(const EndPointAddress& address,
   } catch (const std::runtime_error& e) {
     throw fail(e.what());
   }
-  const EndPointAddress actual = listener->address;
+  EndPointAddress actual = listener->address;
   warn_if_off_devices(actual, true);
   m_registry.add_listener(held, actual, std::move(listener));
   NETIO3_DEBUG("ucx: listening on {}", actual);

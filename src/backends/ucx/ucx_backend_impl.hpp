@@ -228,7 +228,7 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
   static constexpr BackendType TYPE = BackendType::UCX;
   using Engine = detail::ConnectionEngine<Backend, Connection, Listener>;
 
-  Backend(NetworkConfig config, std::shared_ptr<BaseEventLoop> loop)
+  Backend(const NetworkConfig& config, std::shared_ptr<BaseEventLoop> loop)
       : Engine{NAME, config, std::move(loop), config.thread_safety},
         m_transports{choose_transports(m_config.mode)},
         m_rng{std::random_device{}()},
