@@ -78,8 +78,8 @@ bool Backend::may_sleep() {
   if (m_loop->polling()) {
     // Busy-polling: the loop will not sleep this round; read the queues (which also
     // drives the provider's progress) instead of arming them.
-    for (std::size_t i = 0; i < domains.size();
-         ++i) {  // NOLINT(modernize-loop-convert): see drain_all
+    // NOLINTNEXTLINE(modernize-loop-convert): by index, see drain_all
+    for (std::size_t i = 0; i < domains.size(); ++i) {
       Domain* d = domains[i];
       if (!d->eq_paused && drain_eq(*d) > 0) sleep = false;
       if (shut_down()) return true;
@@ -88,8 +88,8 @@ bool Backend::may_sleep() {
     }
     return sleep;
   }
-  for (std::size_t i = 0; i < domains.size();
-       ++i) {  // NOLINT(modernize-loop-convert): see drain_all
+  // NOLINTNEXTLINE(modernize-loop-convert): by index, see drain_all
+  for (std::size_t i = 0; i < domains.size(); ++i) {
     Domain* d = domains[i];
     // A paused event queue is not asked: its listening socket stays readable.
     std::array<fid*, 2> fids{&d->cq()->fid, &d->eq()->fid};
