@@ -279,6 +279,11 @@ std::size_t Recorder::count_now(Kind kind) const {
   return count(kind);
 }
 
+std::size_t Recorder::count_now(Kind kind, const EndPointAddress& remote) const {
+  const std::lock_guard lock{m_mutex};
+  return count(kind, remote);
+}
+
 std::vector<Recorder::Event> Recorder::snapshot() const {
   const std::lock_guard lock{m_mutex};
   return m_events;

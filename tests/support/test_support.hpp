@@ -181,6 +181,7 @@ class Recorder {
   [[nodiscard]] std::size_t count(Kind kind, const EndPointAddress& remote) const;
   // count() under the recorder's lock, for use outside wait() while events may still come.
   [[nodiscard]] std::size_t count_now(Kind kind) const;
+  [[nodiscard]] std::size_t count_now(Kind kind, const EndPointAddress& remote) const;
   [[nodiscard]] std::vector<Event> snapshot() const;
   [[nodiscard]] std::vector<std::vector<std::uint8_t>> messages_snapshot() const;
   [[nodiscard]] std::uint64_t bytes_received() const;
