@@ -57,6 +57,17 @@ show_failures() {
   done <"$dir/LastTestsFailed.log"
 }
 
+# ctest over a build directory's whole suite (ARGS: how ctest finds it); on failure the
+# failed tests' output, then exit 1.
+suite() {
+  local dir=$1
+  shift
+  if ! ctest "$@" -j "$(nproc)"; then
+    show_failures "$dir"
+    exit 1
+  fi
+}
+
 cmd=${1:-}
 case "$cmd" in
   demo)
@@ -68,10 +79,7 @@ case "$cmd" in
     preset=${2:-release}
     install_missing
     build "$preset"
-    if ! ctest --preset "$preset" -j "$(nproc)"; then
-      show_failures "build/$preset"
-      exit 1
-    fi
+    suite "build/$preset" --preset "$preset"
     ;;
   plain)
     cxx=${2:?usage: tools/run.sh plain CXX}
@@ -80,10 +88,7 @@ case "$cmd" in
     cmake -S . -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_COMPILER="$cxx" \
       -DNETIO3_WERROR=ON >/dev/null
     cmake --build "$dir"
-    if ! ctest --test-dir "$dir" -j "$(nproc)"; then
-      show_failures "$dir"
-      exit 1
-    fi
+    suite "$dir" --test-dir "$dir"
     ;;
   lint)
     dir=${2:?usage: tools/run.sh lint BUILD_DIR}
