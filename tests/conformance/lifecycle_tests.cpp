@@ -131,7 +131,10 @@ class Lifecycle : public testing::TestWithParam<LifecycleParam> {
 
 TEST_P(Lifecycle, ConnectingToAPortWithoutListenerIsRefusedOnce) {
   auto client = make_node();
-  const EndPointAddress nowhere{test::test_address(), test::unused_port()};
+  // Held, not listening: no listener of a test running beside this one can get the port.
+  const test::BoundSocket hold{{test::test_address(), 0}};
+  ASSERT_EQ(hold.error(), "");
+  const EndPointAddress nowhere{test::test_address(), hold.port()};
   connect(*client, nowhere);
   ASSERT_TRUE(
       client->rec.wait([&](const Recorder& r) { return r.count(Kind::REFUSED, nowhere) == 1; }));
@@ -583,7 +586,9 @@ TEST_P(Lifecycle, NoCallbackRunsInsideAnApiCallOnTheLoopThread) {
   const auto params = [&] { return sender_params(client->traits, GetParam().mode, region); };
 
   // A refusal (nothing listens there), and a close during set-up.
-  const EndPointAddress nobody{test::test_address(), test::unused_port()};
+  const test::BoundSocket hold{{test::test_address(), 0}};
+  ASSERT_EQ(hold.error(), "");
+  const EndPointAddress nobody{test::test_address(), hold.port()};
   on_loop(*client, [&] { client->backend->open_active_endpoint(nobody, params()); });
   ASSERT_TRUE(client->rec.wait([&](const Recorder& r) {
     return r.count(Kind::REFUSED, nobody) + r.count(Kind::CLOSED, nobody) == 1;

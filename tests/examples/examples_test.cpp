@@ -216,7 +216,10 @@ TEST_P(OnBackend, ReceiverStopsWhenTheSenderCloses) {
 }
 
 TEST_P(OnBackend, SenderFailsWhenNobodyListens) {
-  const auto port = std::to_string(netio3::test::unused_port());
+  // Held, not listening: no listener of a test running beside this one can get the port.
+  const netio3::test::BoundSocket hold{{"127.0.0.1", 0}};
+  ASSERT_EQ(hold.error(), "");
+  const auto port = std::to_string(hold.port());
   Child sender{with_backend({EXAMPLE_SENDER, "--port", port, "--messages", "5"})};
   ASSERT_EQ(sender.wait(), 1) << sender.describe();
   EXPECT_EQ(count_lines_starting_with(sender.out(), "Connection refused by 127.0.0.1:" + port), 1U)

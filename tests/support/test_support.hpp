@@ -112,7 +112,9 @@ class RawListener {
   std::uint16_t m_port{0};
 };
 
-// A port on 127.0.0.1 that nobody listens on: bound by the OS, read back, released.
+// A port on 127.0.0.1 that nobody listens on: bound by the OS, read back, released. Another
+// process (a test running beside this one) may take it at once: where nothing may listen on a
+// port while a test uses it, hold a BoundSocket instead.
 [[nodiscard]] std::uint16_t unused_port();
 
 // Runs an EpollEventLoop on its own thread; the constructor returns once the loop is
