@@ -11,9 +11,10 @@
 #   tools/run.sh lint DIR        clang-tidy (.clang-tidy) on the library's sources, with
 #                                DIR's compile_commands.json, and the API reference
 #                                (target docs, Doxygen warnings as errors)
-#   tools/run.sh package DIR     cpack -G DEB in DIR, installs the packages with apt-get,
-#                                runs the installed netio3-perf and builds a program with
-#                                the installed netio3.pc
+#   tools/run.sh package DIR     cpack -G DEB in DIR; installs the packages with apt-get in a
+#                                fresh Debian 12 (debootstrap, minbase), runs the installed
+#                                netio3-perf on every backend there and builds programs with
+#                                the installed netio3.pc and CMake package
 #
 # Installing packages needs root (or sudo); nothing is installed when all are present.
 set -euo pipefail
@@ -68,6 +69,48 @@ suite() {
   fi
 }
 
+# The Debian packages of build directory $1 in a fresh Debian 12 (debootstrap --variant=minbase
+# bookworm): `apt-get install ./*.deb` must pull in every dependency they need; then the
+# installed netio3-perf moves data on every backend, and a program builds and runs with
+# pkg-config and with find_package. Needs root and a Debian mirror (DEBIAN_MIRROR).
+fresh_debian() {
+  local dir=$1 root
+  root=$(mktemp -d /tmp/netio3-bookworm.XXXXXX)
+  # Unmounted before it is removed; --one-file-system never follows a mount left behind.
+  trap "umount -R '$root/proc' '$root/sys' '$root/dev' 2>/dev/null; rm -rf --one-file-system '$root'" EXIT
+  echo "run.sh: a fresh Debian 12 in $root (debootstrap)"
+  debootstrap --variant=minbase bookworm "$root" "${DEBIAN_MIRROR:-http://deb.debian.org/debian}" \
+    >"$root.log" 2>&1 || { tail -20 "$root.log"; return 1; }
+  mkdir -p "$root/tmp/netio3"
+  cp "$dir"/*.deb "$root/tmp/netio3/"
+  cp -r tests/package/consumer "$root/tmp/netio3/"
+  cp /etc/resolv.conf "$root/etc/resolv.conf"
+  # UCX reads /sys/class/net; netio3-perf reads /proc.
+  mount -t proc proc "$root/proc"
+  mount -t sysfs sysfs "$root/sys"
+  mount --rbind /dev "$root/dev"
+  mount --make-rslave "$root/dev"
+  chroot "$root" /bin/bash -euo pipefail -c '
+    export DEBIAN_FRONTEND=noninteractive
+    cd /tmp/netio3
+    apt() { apt-get -o APT::Sandbox::User=root -y -qq "$@"; }
+    apt update
+    apt install --no-install-recommends ./*.deb >/dev/null
+    echo "fresh Debian 12: installed $(ls *.deb | tr "\n" " ")"
+    for backend in $(netio3-perf --list-backends); do
+      netio3-perf --loopback --backend "$backend" --duration 1 --size 4k
+    done
+    apt install --no-install-recommends g++ pkg-config cmake make >/dev/null
+    g++ -std=c++20 -o consumer-pc consumer/main.cpp $(pkg-config --cflags --libs netio3)
+    ./consumer-pc
+    cmake -S consumer -B consumer-cmake >/dev/null
+    cmake --build consumer-cmake >/dev/null
+    ./consumer-cmake/consumer'
+  umount -R "$root/proc" "$root/sys" "$root/dev"
+  rm -rf --one-file-system "$root" "$root.log"
+  trap - EXIT
+}
+
 cmd=${1:-}
 case "$cmd" in
   demo)
@@ -107,18 +150,11 @@ case "$cmd" in
     ;;
   package)
     dir=${2:?usage: tools/run.sh package BUILD_DIR}
-    PACKAGES+=(dpkg-dev)
+    PACKAGES+=(dpkg-dev debootstrap)
     install_missing
     rm -f "$dir"/*.deb
     (cd "$dir" && cpack -G DEB)
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$PWD/$dir"/*.deb
-    dpkg -L libnetio3-dev | grep -q 'netio3.pc$'
-    netio3-perf --loopback --duration 1 --size 4k
-    consumer=$(mktemp -d)
-    g++ -std=c++20 -o "$consumer/consumer" tests/package/consumer/main.cpp \
-      $(pkg-config --cflags --libs netio3)
-    "$consumer/consumer"
-    rm -rf "$consumer"
+    fresh_debian "$dir"
     ;;
   *)
     echo "usage: tools/run.sh demo [demo options] | tools/run.sh test [release|debug|asan|tsan]" >&2
