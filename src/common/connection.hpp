@@ -71,8 +71,13 @@ struct ConnectionBase : std::enable_shared_from_this<ConnectionBase> {
   // Written on the loop thread only (under `mutex`): the loop reads it without the lock.
   Phase phase;
   SendLedger ledger;
-  BufferPool* send_pool{nullptr};  // shared or own_send_pool; null: no buffered sending
   std::unique_ptr<BufferPool> own_send_pool;
+
+  // Shared or own_send_pool; null: no buffered sending. Set once, when the connection's
+  // parameters are known (at creation, or for an accepted asyncmsg connection after the
+  // peer's greeting), after own_send_pool: an atomic, so that get_buffer and send_buffer read
+  // it from any thread without taking `mutex`.
+  std::atomic<BufferPool*> send_pool{nullptr};
 
   // Statistics beside the ledger's counts (ConnectionStatistics), relaxed atomics: the
   // send calls' refusals (any thread), what was delivered (written on the loop thread only).
@@ -137,19 +142,18 @@ inline void attach_send_pool(ConnectionBase& conn, BufferPool* shared, std::size
   if (shared == nullptr && tx.num_buf > 0) {
     own = std::make_unique<BufferPool>(tx.num_buf, tx.buf_size, headroom, thread_safe);
   }
-  const std::lock_guard lock{conn.mutex};
-  conn.own_send_pool = std::move(own);
-  conn.send_pool = shared != nullptr ? shared : conn.own_send_pool.get();
+  BufferPool* const pool = shared != nullptr ? shared : own.get();
+  {
+    const std::lock_guard lock{conn.mutex};
+    conn.own_send_pool = std::move(own);
+  }
+  conn.send_pool.store(pool, std::memory_order_release);
 }
 
 // get_buffer: a free buffer of the connection's pool, nullptr when all are in use, or
 // NoBuffersAllocated.
 inline NetworkBuffer* acquire_send_buffer(ConnectionBase& conn, std::string_view backend) {
-  BufferPool* pool = nullptr;
-  {
-    const std::lock_guard lock{conn.mutex};
-    pool = conn.send_pool;
-  }
+  BufferPool* const pool = conn.send_pool.load(std::memory_order_acquire);
   if (pool == nullptr) {
     throw NoBuffersAllocated(
         fmt::format("{}: connection with {} has no send buffers (send_buffered_params.num_buf "
@@ -164,11 +168,7 @@ inline NetworkBuffer* acquire_send_buffer(ConnectionBase& conn, std::string_view
 // with pool->abort_send(buffer) if the send is then refused.
 inline BufferPool* claim_send_buffer(ConnectionBase& conn, NetworkBuffer* buffer,
                                      std::string_view backend) {
-  BufferPool* pool = nullptr;
-  {
-    const std::lock_guard lock{conn.mutex};
-    pool = conn.send_pool;
-  }
+  BufferPool* const pool = conn.send_pool.load(std::memory_order_acquire);
   if (pool == nullptr || !pool->begin_send(buffer)) {
     NETIO3_WARN(
         "{}: send_buffer to {}: not a buffer handed out by get_buffer for this connection (or "

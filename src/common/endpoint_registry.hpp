@@ -137,6 +137,7 @@ class EndpointRegistry {
     for (auto c = m_connections.begin(); c != m_connections.end();) {
       if (c->second->listener_id == id) {
         c->second->close_requested.store(true);
+        forget_last(c->second);
         m_closing.push_back(c->second);
         children.push_back(std::move(c->second));
         c = m_connections.erase(c);
@@ -157,10 +158,17 @@ class EndpointRegistry {
     return all;
   }
 
+  // The connection found last is tried first: a sender calls get_buffer and send_buffer for
+  // one connection after another, and comparing an address costs less than hashing it.
   [[nodiscard]] std::shared_ptr<Conn> find(const Lock& /*held*/,
                                            const EndPointAddress& address) const {
+    if (m_last && m_last->remote.port == address.port && m_last->remote.address == address.address) {
+      return m_last;
+    }
     const auto it = m_connections.find(address);
-    return it == m_connections.end() ? nullptr : it->second;
+    if (it == m_connections.end()) return nullptr;
+    m_last = it->second;
+    return it->second;
   }
 
   // The connection with `address`; throws InvalidEndpointAddress or UnknownActiveEndpoint.
@@ -195,6 +203,7 @@ class EndpointRegistry {
     const auto it = m_connections.find(old->remote);
     if (it == m_connections.end() || it->second != old) return false;
     it->second = std::move(fresh);
+    forget_last(old);
     return true;
   }
 
@@ -211,6 +220,7 @@ class EndpointRegistry {
     }
     auto conn = std::move(it->second);
     m_connections.erase(it);
+    forget_last(conn);
     conn->close_requested.store(true);
     m_closing.push_back(conn);
     return conn;
@@ -220,6 +230,7 @@ class EndpointRegistry {
   void remove(const Lock& /*held*/, const std::shared_ptr<Conn>& conn) {
     const auto it = m_connections.find(conn->remote);
     if (it != m_connections.end() && it->second == conn) m_connections.erase(it);
+    forget_last(conn);
     std::erase(m_closing, conn);
   }
 
@@ -236,6 +247,7 @@ class EndpointRegistry {
     m_listeners.clear();
     m_connections.clear();
     m_closing.clear();
+    m_last.reset();
     return all;
   }
 
@@ -247,10 +259,16 @@ class EndpointRegistry {
   }
 
  private:
+  // find()'s first try is always a registered connection.
+  void forget_last(const std::shared_ptr<Conn>& conn) {
+    if (m_last == conn) m_last.reset();
+  }
+
   std::string_view m_backend;
   OptionalMutex m_mutex;
   std::unordered_map<EndPointAddress, std::shared_ptr<Listener>> m_listeners;
   std::unordered_map<EndPointAddress, std::shared_ptr<Conn>> m_connections;
+  mutable std::shared_ptr<Conn> m_last;  // under m_mutex: the connection find() found last
   std::vector<std::shared_ptr<Conn>> m_closing;
   OptionalMutex m_index_mutex;
   std::unordered_map<std::uint64_t, std::weak_ptr<Conn>> m_by_id;

@@ -314,7 +314,7 @@ std::shared_ptr<Connection> Backend::make_connection(const EndPointAddress& remo
       conn->send_mr = domain.register_memory(conn->own_send_pool->region());
       conn->send_desc = fi_mr_desc(conn->send_mr.get());
     } else if (conn->send_pool != nullptr) {
-      conn->send_desc = domain.shared_registration(conn->send_pool->region());
+      conn->send_desc = domain.shared_registration(conn->send_pool.load()->region());
     }
   }
   // Send contexts (and, for zero-copy, registered header slots) only for an endpoint that
