@@ -422,7 +422,8 @@ class ConnectionEngine {
   // on_send_completed_cb (the buffer of a buffered send is back in its pool); false when the
   // backend is being destroyed.
   bool completed(const Conn& conn, const PendingSend& send) {
-    if (send.buffer != nullptr) conn.send_pool.load(std::memory_order_relaxed)->release(send.buffer);
+    if (send.buffer != nullptr)
+      conn.send_pool.load(std::memory_order_relaxed)->release(send.buffer);
     m_notifier.send_completed(conn.remote, send.key);
     if (shut_down()) return false;
     if (!m_wants_ready) return true;

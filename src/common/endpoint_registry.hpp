@@ -162,7 +162,8 @@ class EndpointRegistry {
   // one connection after another, and comparing an address costs less than hashing it.
   [[nodiscard]] std::shared_ptr<Conn> find(const Lock& /*held*/,
                                            const EndPointAddress& address) const {
-    if (m_last && m_last->remote.port == address.port && m_last->remote.address == address.address) {
+    if (m_last && m_last->remote.port == address.port &&
+        m_last->remote.address == address.address) {
       return m_last;
     }
     const auto it = m_connections.find(address);
