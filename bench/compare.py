@@ -41,7 +41,8 @@ LATENCY_SIZES = [64, 4096]
 MAX_SIZE = 1048576 + 64  # netio3-perf --max-size: the largest message plus room for headers
 COPY_BACKENDS = {"asyncmsg", "ucx"}  # send_data_copy is supported there
 SOCKPERF_MAX = 1048575  # sockperf's largest -m
-GROUPS = ["netio3", "iperf3", "sockperf", "ucx_perftest", "raw-fabric", "zmq", "same-host"]
+GROUPS = ["netio3", "iperf3", "sockperf", "ucx_perftest", "raw-fabric", "zmq", "same-host",
+          "fan-in"]
 # The order of one round: (group, netio3 backend or None). Each netio3 backend sits next to
 # its references; every other round runs this list backwards.
 ROUND_ORDER = [("netio3", "asyncmsg"), ("iperf3", None), ("sockperf", None), ("zmq", None),
@@ -51,6 +52,21 @@ ROUND_ORDER = [("netio3", "asyncmsg"), ("iperf3", None), ("sockperf", None), ("z
 # against ucp_am_bw over UCX's shared-memory transports, both sleeping in the kernel between
 # events (netio3 does not busy-poll here; ucx_perftest runs with -E sleep).
 SHM_TLS = "posix,cma,self"
+# The fan-in section: one client process with N connections to one server process, every
+# backend next to its raw transport with the same N (iperf3 -P N, netio3-raw-fabric and
+# netio3-raw-ucx --connections N), buffered sends of one size. Every program there sleeps in the
+# kernel when it has nothing to do (netio3 without busy polling, the raw programs with their
+# fd/sleep waits, iperf3 as always), so that CPU per message means something at both ends. It
+# runs once per round, after the size-by-size part (before it in every other round).
+FAN_IN_CONNECTIONS = [1, 16, 128]
+FAN_IN_SIZE = 4096
+FAN_IN_BACKENDS = ["asyncmsg", "ucx", "libfabric"]
+# The reference of each backend in the fan-in section (its label there).
+FAN_IN_REFERENCE = {"asyncmsg": "iperf3 -P", "ucx": "raw-ucx", "libfabric": "raw-libfabric"}
+# The target: msg/s at the most connections >= this times the 1-connection rate, or, where the
+# reference drops as much, netio3 >= FAN_IN_VS_REFERENCE times the reference there.
+FAN_IN_FLAT = 0.7
+FAN_IN_VS_REFERENCE = 0.9
 
 KEYS = ["tool", "backend", "mode", "send", "test", "size", "connections", "threads",
         "duration_s", "messages", "bytes", "msgs_per_s", "bytes_per_s", "gbit_per_s",
@@ -240,6 +256,7 @@ class Runner:
             "netio3-perf": self.build / "tools/netio3-perf/netio3-perf",
             "raw-fabric": self.build / "bench/raw/netio3-raw-fabric",
             "raw-zmq": self.build / "bench/raw/netio3-raw-zmq",
+            "raw-ucx": self.build / "bench/raw/netio3-raw-ucx",
         }
         self.count = 0
         self.round = 1
@@ -435,11 +452,14 @@ class Runner:
         finally:
             server.stop()
 
-    def iperf3_run(self, server, port, size):
+    def iperf3_run(self, server, port, size, streams=1, label="iperf3", group="iperf3",
+                   test="throughput"):
         if not server.alive():
             raise RunError("iperf3 server died")
-        rc, output = self.client(f"iperf3-{size}", ["iperf3", "-c", HOST, "-p", port, "-t",
-                                                    self.seconds(), "-l", size, "-J"])
+        parallel = ["-P", streams] if streams > 1 else []
+        rc, output = self.client(f"iperf3-{size}" + (f"-P{streams}" if streams > 1 else ""),
+                                 ["iperf3", "-c", HOST, "-p", port, "-t", self.seconds(), "-l",
+                                  size, "-J"] + parallel)
         try:
             data = json.loads(output[: output.rindex("}") + 1])
         except ValueError as e:
@@ -453,13 +473,15 @@ class Runner:
         messages = nbytes / size  # writes of -l bytes; TCP keeps no message boundaries
         cpu = end.get("cpu_utilization_percent", {})
         per_msg = lambda pct: pct / 100 * seconds * 1e9 / messages if messages else None  # noqa
-        return record("iperf3", "iperf3", tool="iperf3", backend="tcp", send="stream",
-                      test="throughput", size=size, duration_s=seconds, messages=round(messages),
+        return record(label, group, tool="iperf3", backend="tcp", send="stream", test=test,
+                      size=size, connections=streams, duration_s=seconds,
+                      messages=round(messages),
                       bytes=nbytes, msgs_per_s=messages / seconds,
                       bytes_per_s=received["bits_per_second"] / 8,
                       cpu_ns_per_msg=per_msg(cpu.get("host_total", 0)),
                       server_cpu_ns_per_msg=per_msg(cpu.get("remote_total", 0)),
-                      note="single TCP stream, receiver's bytes; messages = bytes / -l")
+                      note=(f"{streams} TCP streams" if streams > 1 else "single TCP stream")
+                      + ", receiver's bytes; messages = bytes / -l")
 
     # -- sockperf --
 
@@ -631,6 +653,98 @@ class Runner:
                       note=f"UCX_TLS=tcp, UCX_TCP_PUT_ENABLE={put}; "
                            "round trip = 2 x ucx_perftest's latency")
 
+    # -- fan-in --
+
+    def fan_in(self, backend):
+        """One backend's fan-in rows: netio3 with each connection count, then its reference
+        with the same counts (one server each, serving every count)."""
+        size, counts = self.args.fan_in_size, self.args.fan_in
+        perf = self.bins["netio3-perf"]
+        d = self.args.duration
+        poll_args = ["--busy-poll", 0]
+        env = self.env(UCX_TLS="tcp") if backend == "ucx" else self.env()
+        label = f"{backend} buffered"
+        if not perf.exists():
+            for n in counts:
+                self.add(failed(f"{label} x{n}", "fan-in", "fan-in", size,
+                                f"{rel(perf)} not built", status="missing", connections=n))
+        else:
+            self.fan_in_suite(
+                label, f"fan-in-{backend}",
+                [perf, "--server", "--backend", backend, "--bind", HOST, "--max-size", size]
+                + poll_args,
+                lambda address, n: [perf, "--client", address, "--backend", backend, "--send",
+                                    "buffered", "--size", size, "--duration", d, "--test",
+                                    "throughput", "--connections", n] + poll_args,
+                counts, env, tool="netio3-perf", backend=backend)
+        reference = FAN_IN_REFERENCE[backend]
+        if backend == "asyncmsg":
+            self.fan_in_iperf3(size, counts)
+            return
+        key = "raw-ucx" if backend == "ucx" else "raw-fabric"
+        binary = self.bins[key]
+        if not binary.exists():
+            for n in counts:
+                self.add(failed(f"{reference} x{n}", "fan-in", "fan-in", size,
+                                f"{rel(binary)} not built", status="missing", connections=n))
+            return
+        if backend == "ucx":
+            ref_env, _ = self.ucx_reference_env()
+            wait = ["--wait", "sleep"]
+            server = [binary, "--server", "--bind", HOST, "--port", "0", "--max-size", size]
+        else:
+            ref_env = self.env()
+            wait = ["--wait", "fd"]
+            server = [binary, "--server", "--port", "0", "--provider", "tcp"]
+        self.fan_in_suite(
+            reference, f"fan-in-{key}", server + wait,
+            lambda address, n: [binary, "--client", address, "--test", "throughput", "--size",
+                                size, "--duration", d, "--connections", n] + wait,
+            counts, ref_env, tool=key, backend=backend)
+
+    def fan_in_suite(self, label, name, server_argv, client_argv, counts, env, **fields):
+        server = None
+        size = self.args.fan_in_size
+        for n in counts:
+            run_label = f"{label} x{n}"
+            try:
+                if server is None or not server.alive():
+                    if server is not None:
+                        server.stop()
+                    server = Server(name, server_argv, self.logs, env=env)
+                r = self.json_client(run_label, "fan-in", f"{name}-{n}",
+                                     client_argv(server.address, n), env, "fan-in", size)
+                r["connections"] = n
+                self.add(r)
+            except RunError as e:
+                self.add(failed(run_label, "fan-in", "fan-in", size, str(e), connections=n,
+                                **fields))
+        if server is not None:
+            server.stop()
+
+    def fan_in_iperf3(self, size, counts):
+        label = FAN_IN_REFERENCE["asyncmsg"]
+        try:
+            port = free_port()
+            server = Server("iperf3-fan-in", ["iperf3", "-s", "-B", HOST, "-p", port], self.logs,
+                            port=port)
+        except RunError as e:
+            for n in counts:
+                self.add(failed(f"{label} x{n}", "fan-in", "fan-in", size, str(e),
+                                tool="iperf3", connections=n))
+            return
+        try:
+            for n in counts:
+                try:
+                    self.add(self.iperf3_run(server, port, size, streams=n,
+                                             label=f"{label} x{n}", group="fan-in",
+                                             test="fan-in"))
+                except RunError as e:
+                    self.add(failed(f"{label} x{n}", "fan-in", "fan-in", size, str(e),
+                                    tool="iperf3", connections=n))
+        finally:
+            server.stop()
+
     # -- all --
 
     def units(self):
@@ -648,6 +762,8 @@ class Runner:
         units = []
         for group, backend in ROUND_ORDER:
             if group not in self.args.only:
+                continue
+            if backend is not None and backend.removesuffix("-rdma") not in self.args.backends:
                 continue
             if backend is not None:
                 units.append((f"netio3 {backend}", lambda b=backend: self.netio3(b)))
@@ -676,10 +792,18 @@ class Runner:
                   f"({', '.join(size_name(n) for n in slices)}), each "
                   f"{', '.join(n for n, _ in order)}", flush=True)
             t0 = time.monotonic()
+            fan_in = [lambda b=b: self.fan_in(b) for b in FAN_IN_BACKENDS
+                      if b in self.args.backends] if "fan-in" in self.args.only else []
+            if i % 2 == 1:
+                for step in fan_in[::-1]:
+                    step()
             for size in slices:
                 self.sizes = [size]
                 self.latency_sizes = [size] if size in latency_sizes else []
                 for _, step in order:
+                    step()
+            if i % 2 == 0:
+                for step in fan_in:
                     step()
             self.round_seconds.append(time.monotonic() - t0)
         self.sizes, self.latency_sizes = sizes, latency_sizes
@@ -822,6 +946,87 @@ def ratio_rows(summaries, sizes, latency_sizes, rounds):
             verdict += "; left out: " + ", ".join(left_out)
         rows.append((what, size, ratio, per_round, target, verdict))
     return rows
+
+
+def fan_in_tables(summaries, counts, size):
+    """The fan-in section: (rows, verdict rows). rows: per backend and connection count,
+    netio3's and the reference's msg/s, their rate against 1 connection, CPU per message at
+    both ends, and netio3/reference; verdict rows: the target at the largest count."""
+    def get(label):
+        return summaries.get((label, "fan-in", size))
+
+    def value(sm, key="msgs_per_s"):
+        return sm.median(key) if sm is not None else None
+
+    def ratio(a, b):
+        return a / b if a is not None and b else None
+
+    def per_round(a, b, key="msgs_per_s"):
+        if a is None or b is None:
+            return {}
+        ra, rb = a.by_round(key), b.by_round(key)
+        return {r: ra[r] / rb[r] for r in sorted(ra) if r in rb and rb[r]}
+
+    def spread(values):
+        return f"{min(values):.2f}–{max(values):.2f}" if values else "-"
+
+    def num(v, digits=2):
+        return f"{v:.{digits}f}" if v is not None else "-"
+
+    rows, verdicts = [], []
+    top = max(counts)
+    for backend in FAN_IN_BACKENDS:
+        ref_name = FAN_IN_REFERENCE[backend]
+        ours = {n: get(f"{backend} buffered x{n}") for n in counts}
+        theirs = {n: get(f"{ref_name} x{n}") for n in counts}
+        if all(v is None for v in ours.values()):
+            continue
+        for n in counts:
+            a, b = ours[n], theirs[n]
+            rows.append((backend, n, fmt_num(value(a)), num(ratio(value(a), value(ours[1])))
+                         if 1 in ours else "-",
+                         fmt_num(value(a, "cpu_ns_per_msg")),
+                         fmt_num(value(a, "server_cpu_ns_per_msg")), ref_name,
+                         fmt_num(value(b)), num(ratio(value(b), value(theirs.get(1))))
+                         if 1 in theirs else "-",
+                         fmt_num(value(b, "cpu_ns_per_msg")),
+                         fmt_num(value(b, "server_cpu_ns_per_msg")),
+                         num(ratio(value(a), value(b))),
+                         (a.status() if a is not None else "not run") + " / " +
+                         (b.status() if b is not None else "not run")))
+        if 1 not in counts or top == 1:
+            continue
+        flat = ratio(value(ours[top]), value(ours[1]))
+        flat_rounds = per_round(ours[top], ours[1])
+        ref_flat = ratio(value(theirs[top]), value(theirs[1]))
+        ref_rounds = per_round(theirs[top], theirs[1])
+        vs = ratio(value(ours[top]), value(theirs[top]))
+        vs_rounds = per_round(ours[top], theirs[top])
+        if flat is None:
+            verdict = "n/a (no netio3 result)"
+        elif flat >= FAN_IN_FLAT:
+            verdict = f"pass: {top}/1 >= {FAN_IN_FLAT}"
+        elif ref_flat is not None and ref_flat < FAN_IN_FLAT and vs is not None \
+                and vs >= FAN_IN_VS_REFERENCE:
+            verdict = (f"pass: the reference drops as much ({top}/1 {ref_flat:.2f}) and netio3 "
+                       f">= {FAN_IN_VS_REFERENCE} x reference at {top}")
+        else:
+            why = []
+            if ref_flat is not None and ref_flat >= FAN_IN_FLAT:
+                why.append(f"the reference keeps {ref_flat:.2f}")
+            if vs is not None and vs < FAN_IN_VS_REFERENCE:
+                why.append(f"netio3/reference {vs:.2f} < {FAN_IN_VS_REFERENCE}")
+            verdict = f"FAIL: {top}/1 < {FAN_IN_FLAT}" + (f" ({'; '.join(why)})" if why else "")
+        verdicts.append((backend, num(flat), spread(list(flat_rounds.values())), ref_name,
+                         num(ref_flat), spread(list(ref_rounds.values())), num(vs),
+                         spread(list(vs_rounds.values())), verdict))
+    return rows, verdicts
+
+
+FAN_IN_HEAD = ("backend", "conns", "msg/s", "x/1", "cpu ns/msg", "server ns/msg", "reference",
+               "ref msg/s", "ref x/1", "ref cpu", "ref server", "netio3/ref", "status")
+FAN_IN_VERDICT_HEAD = ("backend", "N/1", "rounds", "reference", "ref N/1", "rounds",
+                       "netio3/ref at N", "rounds", "verdict")
 
 
 def fmt_num(v, digits=0):
@@ -984,6 +1189,13 @@ def parse_args(argv):
     p.add_argument("--busy-poll", type=int, default=200, metavar="US",
                    help="netio3-perf --busy-poll for the ucx and libfabric runs, whose "
                         "references busy-poll (default 200 microseconds; 0: sleep in epoll)")
+    p.add_argument("--backends", default=",".join(FAN_IN_BACKENDS),
+                   help="netio3 backends to run (default all: asyncmsg,ucx,libfabric); the "
+                        "references run as --only says")
+    p.add_argument("--fan-in", default=",".join(map(str, FAN_IN_CONNECTIONS)),
+                   help="connection counts of the fan-in section (default 1,16,128; it needs 1)")
+    p.add_argument("--fan-in-size", type=int, default=FAN_IN_SIZE, metavar="BYTES",
+                   help="message size of the fan-in section (default 4096)")
     p.add_argument("--only", default=",".join(GROUPS),
                    help=f"what to run, comma separated (default all: {','.join(GROUPS)})")
     args = p.parse_args(argv)
@@ -1001,6 +1213,18 @@ def parse_args(argv):
         p.error("--sizes takes whole numbers")
     if not args.sizes or min(args.sizes) < 16:
         p.error("--sizes: at least one size, each at least 16 bytes")
+    try:
+        args.fan_in = [int(n) for n in args.fan_in.split(",") if n]
+    except ValueError:
+        p.error("--fan-in takes whole numbers")
+    if not args.fan_in or 1 not in args.fan_in or min(args.fan_in) < 1 or max(args.fan_in) > 1024:
+        p.error("--fan-in: connection counts from 1 to 1024, 1 among them")
+    if args.fan_in_size < 16:
+        p.error("--fan-in-size: at least 16 bytes")
+    args.backends = [b for b in args.backends.split(",") if b]
+    unknown = set(args.backends) - set(FAN_IN_BACKENDS)
+    if unknown:
+        p.error(f"--backends: unknown {', '.join(sorted(unknown))}")
     args.only = [g for g in args.only.split(",") if g]
     unknown = set(args.only) - set(GROUPS)
     if unknown:
@@ -1062,6 +1286,17 @@ def main(argv):
         if rows:
             sections.insert(len(sections) - 1, f"{size_name(size)}\n" + text_table(RUN_HEAD, rows))
             md.append(f"#### {size_name(size)}\n\n" + md_table(RUN_HEAD, rows) + "\n")
+    if "fan-in" in args.only:
+        fan_rows, fan_verdicts = fan_in_tables(summaries, args.fan_in, args.fan_in_size)
+        what = (f"Fan-in: one client process with N connections to one server process, "
+                f"{size_name(args.fan_in_size)} buffered sends (references: the same N); "
+                f"target: msg/s at N = {max(args.fan_in)} >= {FAN_IN_FLAT} x the 1-connection "
+                f"rate, or, where the reference drops as much, >= {FAN_IN_VS_REFERENCE} x the "
+                "reference at N. CPU per message: client process, server process.")
+        sections.append(what + "\n" + text_table(FAN_IN_HEAD, fan_rows) + "\n\n"
+                        + text_table(FAN_IN_VERDICT_HEAD, fan_verdicts, wrap_last=100))
+        md.append("### Fan-in\n\n" + what + "\n\n" + md_table(FAN_IN_HEAD, fan_rows) + "\n\n"
+                  + md_table(FAN_IN_VERDICT_HEAD, fan_verdicts) + "\n")
     (out / "ratios.md").write_text("\n".join(md))
     plot_note = plot(summaries, out, rounds)
 
@@ -1073,7 +1308,8 @@ def main(argv):
     print()
     print(f"results: {out / 'results.jsonl'}; table: {out / 'ratios.md'}; {plot_note}")
 
-    netio3 = [r for r in records if r["group"] == "netio3"]
+    netio3 = [r for r in records if r["group"] == "netio3" or
+              (r["group"] == "fan-in" and r.get("tool") == "netio3-perf")]
     lost = [r for r in netio3 if r["status"] == "lost"]
     broken = [r for r in netio3 if r["status"] == "failed"]
     if lost:
