@@ -334,6 +334,14 @@ class Runner:
         r["test"], r["size"] = test, size
         return r
 
+    def live_server(self, server, name, argv, env):
+        """`server` while it runs; else (it died, or there is none yet) a new one."""
+        if server is not None and server.alive():
+            return server
+        if server is not None:
+            server.stop()
+        return Server(name, argv, self.logs, env=env)
+
     def run_json_suite(self, group, name, label_of, server_argv, client_argv, plan, env):
         """plan: list of (send, test, size). One server serves all of them; it is started
         again if it died."""
@@ -342,10 +350,7 @@ class Runner:
             label = label_of(send, test)
             run_name = f"{name}-{send}-{test}-{size}"
             try:
-                if server is None or not server.alive():
-                    if server is not None:
-                        server.stop()
-                    server = Server(name, server_argv, self.logs, env=env)
+                server = self.live_server(server, name, server_argv, env)
                 argv = client_argv(server.address, send, test, size)
                 self.add(self.json_client(label, group, run_name, argv, env, test, size))
             except RunError as e:
@@ -708,10 +713,7 @@ class Runner:
         for n in counts:
             run_label = f"{label} x{n}"
             try:
-                if server is None or not server.alive():
-                    if server is not None:
-                        server.stop()
-                    server = Server(name, server_argv, self.logs, env=env)
+                server = self.live_server(server, name, server_argv, env)
                 r = self.json_client(run_label, "fan-in", f"{name}-{n}",
                                      client_argv(server.address, n), env, "fan-in", size)
                 r["connections"] = n

@@ -94,7 +94,16 @@
 
 #include <fmt/format.h>
 
+#include "raw_common.hpp"
+
 namespace {
+
+using netio3::raw::Clock;
+using netio3::raw::cpu_ns;
+using netio3::raw::json_string;
+using netio3::raw::parse_double;
+using netio3::raw::parse_u64;
+using netio3::raw::UsageError;
 
 constexpr std::uint32_t API_VERSION = FI_VERSION(1, 9);
 
@@ -162,10 +171,6 @@ Ctrl load_ctrl(const std::uint8_t* p, std::size_t len) {
 
 // ---------------------------------------------------------------------------------------
 // Errors
-
-struct UsageError : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
 
 // A libfabric call that failed: exit 3.
 struct FabricError : std::runtime_error {
@@ -241,19 +246,8 @@ struct Fd {
   }
 };
 
-using Clock = std::chrono::steady_clock;
-
 std::int64_t ns_between(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(b - a).count();
-}
-
-double cpu_ns() {
-  rusage ru{};
-  if (getrusage(RUSAGE_SELF, &ru) != 0) return 0.0;
-  const auto tv_ns = [](const timeval& tv) {
-    return static_cast<double>(tv.tv_sec) * 1e9 + static_cast<double>(tv.tv_usec) * 1e3;
-  };
-  return tv_ns(ru.ru_utime) + tv_ns(ru.ru_stime);
 }
 
 // Raises the soft limit on open files towards `want` (as far as the hard limit allows);
@@ -311,24 +305,6 @@ constexpr std::string_view USAGE =
     "connections to the server and sends on all of them from its one thread (fan-in); the\n"
     "result is the sum over the connections.\n"
     "exit status: 0 every message arrived in order, 1 not, 2 bad options, 3 libfabric error\n";
-
-std::uint64_t parse_u64(std::string_view name, std::string_view text) {
-  std::uint64_t v = 0;
-  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
-  if (ec != std::errc{} || end != text.data() + text.size() || text.empty()) {
-    throw UsageError(fmt::format("{}: '{}' is not a non-negative integer", name, text));
-  }
-  return v;
-}
-
-double parse_double(std::string_view name, std::string_view text) {
-  double v = 0;
-  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
-  if (ec != std::errc{} || end != text.data() + text.size() || text.empty() || !std::isfinite(v)) {
-    throw UsageError(fmt::format("{}: '{}' is not a number", name, text));
-  }
-  return v;
-}
 
 void split_host_port(const std::string& text, std::string& host, std::string& port) {
   std::string_view t = text;
@@ -1424,21 +1400,6 @@ double percentile_us(std::vector<std::int64_t>& v, double q) {
 std::string json_number(double v, int decimals) {
   if (!std::isfinite(v)) return "null";
   return fmt::format("{:.{}f}", v, decimals);
-}
-
-std::string json_string(std::string_view s) {
-  std::string out = "\"";
-  for (const char ch : s) {
-    if (ch == '"' || ch == '\\') {
-      out += '\\';
-      out += ch;
-    } else if (static_cast<unsigned char>(ch) < 0x20) {
-      out += fmt::format("\\u{:04x}", static_cast<unsigned>(ch));
-    } else {
-      out += ch;
-    }
-  }
-  return out + "\"";
 }
 
 int run_client(const Options& o) {

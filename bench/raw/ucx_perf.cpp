@@ -41,7 +41,6 @@
 #include <algorithm>
 #include <arpa/inet.h>
 #include <cerrno>
-#include <charconv>
 #include <chrono>
 #include <cmath>
 #include <csignal>
@@ -65,7 +64,15 @@
 
 #include <fmt/format.h>
 
+#include "raw_common.hpp"
+
 namespace {
+
+using netio3::raw::Clock;
+using netio3::raw::cpu_ns;
+using netio3::raw::parse_double;
+using netio3::raw::parse_u64;
+using netio3::raw::UsageError;
 
 constexpr int EXIT_LOST = 1;
 constexpr int EXIT_USAGE = 2;
@@ -100,10 +107,6 @@ constexpr std::uint32_t NO_STREAM = ~std::uint32_t{0};
 constexpr auto SETUP_TIMEOUT = std::chrono::seconds(10);
 constexpr auto DRAIN_TIMEOUT = std::chrono::seconds(10);
 
-struct UsageError : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
-
 struct UcxError : std::runtime_error {
   UcxError(std::string_view call, ucs_status_t status)
       : std::runtime_error(fmt::format("{} failed: {}", call, ucs_status_string(status))) {}
@@ -117,17 +120,6 @@ void check(std::string_view call, ucs_status_t status) {
 volatile std::sig_atomic_t g_stop = 0;
 extern "C" void on_stop_signal(int /*signo*/) {
   g_stop = 1;
-}
-
-using Clock = std::chrono::steady_clock;
-
-double cpu_ns() {
-  rusage ru{};
-  if (getrusage(RUSAGE_SELF, &ru) != 0) return 0.0;
-  const auto tv_ns = [](const timeval& tv) {
-    return static_cast<double>(tv.tv_sec) * 1e9 + static_cast<double>(tv.tv_usec) * 1e3;
-  };
-  return tv_ns(ru.ru_utime) + tv_ns(ru.ru_stime);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -158,15 +150,6 @@ constexpr std::string_view USAGE =
     "                 [--json FILE] [--quiet]\n"
     "UCX's configuration comes from the environment (UCX_TLS, ...).\n"
     "exit status: 0 every message arrived in order, 1 not, 2 bad options, 3 UCX error\n";
-
-std::uint64_t parse_u64(std::string_view name, std::string_view text) {
-  std::uint64_t v = 0;
-  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
-  if (ec != std::errc{} || end != text.data() + text.size() || text.empty()) {
-    throw UsageError(fmt::format("{}: '{}' is not a non-negative integer", name, text));
-  }
-  return v;
-}
 
 Options parse_options(int argc, char** argv) {
   Options o;
@@ -212,13 +195,8 @@ Options parse_options(int argc, char** argv) {
     } else if (arg == "--size") {
       o.size = parse_u64("--size", next());
     } else if (arg == "--duration") {
-      const std::string text = next();
-      double v = 0;
-      const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
-      if (ec != std::errc{} || end != text.data() + text.size() || !(v > 0 && v < 1e6)) {
-        throw UsageError("--duration: seconds, above 0");
-      }
-      o.duration = v;
+      o.duration = parse_double("--duration", next());
+      if (!(o.duration > 0 && o.duration < 1e6)) throw UsageError("--duration: seconds, above 0");
     } else if (arg == "--connections") {
       o.connections = parse_u64("--connections", next());
       if (o.connections < 1 || o.connections > MAX_CONNECTIONS) {
