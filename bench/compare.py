@@ -1008,6 +1008,9 @@ def fan_in_tables(summaries, counts, size):
             verdict = "n/a (no netio3 result)"
         elif flat >= FAN_IN_FLAT:
             verdict = f"pass: {top}/1 >= {FAN_IN_FLAT}"
+            below = [r for r, v in flat_rounds.items() if v < FAN_IN_FLAT]
+            if below:
+                verdict += f" ({len(below)} of {len(flat_rounds)} rounds below)"
         elif ref_flat is not None and ref_flat < FAN_IN_FLAT and vs is not None \
                 and vs >= FAN_IN_VS_REFERENCE:
             verdict = (f"pass: the reference drops as much ({top}/1 {ref_flat:.2f}) and netio3 "
