@@ -1120,7 +1120,7 @@ def plot(summaries, out, rounds):
     for sm in summaries.values():
         rate, bw = sm.median("msgs_per_s"), sm.median("bytes_per_s")
         if sm.test == "throughput" and rate and bw:
-            key = (sm.label, sm.group == "netio3")
+            key = (sm.label, sm.records[0].get("tool") == "netio3-perf")  # netio3's, or a reference
             series.setdefault(key, []).append((sm.size, bw / 1e6, rate))
     if not series:
         return "no throughput results: no plot"
