@@ -78,12 +78,15 @@
 #include <fmt/format.h>
 #include <netio3/netio3.hpp>
 
+#include "json_text.hpp"
+
 extern char** environ;  // NOLINT(readability-redundant-declaration): for posix_spawn
 
 namespace {
 
 using netio3::BackendType;
 using netio3::EndPointAddress;
+using netio3::tools::json_string;
 using Clock = std::chrono::steady_clock;
 
 constexpr int EXIT_SETUP_FAILED = 1;
@@ -943,21 +946,6 @@ double cpu_per_second(const Fields& step) {
   return window > 0.0 ? (number(step, "cpu_ms") - number(step, "main_cpu_ms")) / window : 0.0;
 }
 
-std::string json_escape(std::string_view in) {
-  std::string out;
-  for (const char c : in) {
-    if (c == '"' || c == '\\') {
-      out += '\\';
-      out += c;
-    } else if (static_cast<unsigned char>(c) < 0x20) {
-      out += fmt::format("\\u{:04x}", static_cast<unsigned>(c));
-    } else {
-      out += c;
-    }
-  }
-  return out;
-}
-
 // The transports' settings from the environment (UCX_*, FI_*, NETIO3_*), as a JSON object.
 std::string transport_environment() {
   std::string out;
@@ -968,8 +956,8 @@ std::string transport_environment() {
     }
     const auto eq = entry.find('=');
     if (eq == std::string_view::npos) continue;
-    out += fmt::format("{}\"{}\":\"{}\"", out.empty() ? "" : ",", json_escape(entry.substr(0, eq)),
-                       json_escape(entry.substr(eq + 1)));
+    out += fmt::format("{}{}:{}", out.empty() ? "" : ",", json_string(entry.substr(0, eq)),
+                       json_string(entry.substr(eq + 1)));
   }
   return "{" + out + "}";
 }
@@ -982,14 +970,14 @@ std::string json_line(const Run& run, const Options& o) {
         "\"main_cpu_ms\":{},\"loop_cpu_ms\":{},\"cpu_ms_per_s\":{:.4f},"
         "\"cpu_ms_per_s_without_main\":{:.4f},\"loop_cpu_ms_per_s\":{:.4f},\"wakeups\":{},"
         "\"wakeups_per_s\":{:.3f},\"other_thread_switches_per_s\":{:.3f},\"events\":{},"
-        "\"rss_kib\":{},\"vsz_kib\":{},\"fds\":{},\"threads\":{},\"busy_threads\":\"{}\","
+        "\"rss_kib\":{},\"vsz_kib\":{},\"fds\":{},\"threads\":{},\"busy_threads\":{},"
         "\"listeners\":{},\"listener_rss_kib\":{},\"listener_vsz_kib\":{},\"listener_fds\":{}}}",
         steps.empty() ? "" : ",", text(s, "connections"), text(s, "setup_s"), text(s, "refusals"),
         text(s, "window_s"), text(s, "cpu_ms"), text(s, "main_cpu_ms"), text(s, "loop_cpu_ms"),
         per_second(s, "cpu_ms"), cpu_per_second(s), per_second(s, "loop_cpu_ms"),
         text(s, "wakeups"), per_second(s, "wakeups"), per_second(s, "other_switches"),
         text(s, "events"), text(s, "rss_kib"), text(s, "vsz_kib"), text(s, "fds"),
-        text(s, "threads"), json_escape(text(s, "busy_threads")), text(s, "listeners"),
+        text(s, "threads"), json_string(text(s, "busy_threads")), text(s, "listeners"),
         text(s, "listener_rss_kib"), text(s, "listener_vsz_kib"), text(s, "listener_fds"));
   }
   std::string per;
@@ -1012,17 +1000,17 @@ std::string json_line(const Run& run, const Options& o) {
   char when[32] = {};
   std::strftime(when, sizeof when, "%Y-%m-%dT%H:%M:%SZ", &tm);
   return fmt::format(
-      "{{\"bench\":\"idle\",\"time\":\"{}\",\"host\":\"{}\",\"backend\":\"{}\",\"recv\":\"{}\","
+      "{{\"bench\":\"idle\",\"time\":\"{}\",\"host\":{},\"backend\":\"{}\",\"recv\":\"{}\","
       "\"addressing\":\"{}\",\"listeners\":{},"
       "\"buf_size\":{},\"num_buf\":{},\"idle_seconds\":{},\"settle_seconds\":{},"
-      "\"ok\":{},\"reached\":{},\"error\":\"{}\",\"base\":{{\"rss_kib\":{},\"vsz_kib\":{},"
+      "\"ok\":{},\"reached\":{},\"error\":{},\"base\":{{\"rss_kib\":{},\"vsz_kib\":{},"
       "\"fds\":{},\"threads\":{}}},\"steps\":[{}],\"per_connection\":{},\"teardown_s\":{},"
       "\"environment\":{}}}",
-      when, json_escape(host), netio3::to_string(run.backend), to_string(run.recv),
+      when, json_string(host), netio3::to_string(run.backend), to_string(run.recv),
       to_string(run.addressing),
       run.steps.empty() ? number(run.base, "listeners") : number(run.steps.back(), "listeners"),
       o.buf_size, o.num_buf, o.idle_seconds, o.settle_seconds, complete(run, o) ? "true" : "false",
-      reached, json_escape(error), number(run.base, "rss_kib"), number(run.base, "vsz_kib"),
+      reached, json_string(error), number(run.base, "rss_kib"), number(run.base, "vsz_kib"),
       number(run.base, "fds"), number(run.base, "threads"), steps, per,
       run.done ? text(*run.done, "teardown_s") : "null", transport_environment());
 }

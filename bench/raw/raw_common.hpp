@@ -1,5 +1,6 @@
 // What netio3's raw transport reference programs (netio3-raw-fabric, netio3-raw-ucx) share:
-// option parsing, process CPU time, JSON text. Header-only; each program is one translation
+// option parsing, process CPU time, JSON text (the string escaper is tools/common/json_text.hpp's,
+// shared with netio3-perf and netio3-bench-idle). Header-only; each program is one translation
 // unit.
 
 #pragma once
@@ -14,6 +15,8 @@
 #include <sys/resource.h>
 
 #include <fmt/format.h>
+
+#include "json_text.hpp"
 
 namespace netio3::raw {
 
@@ -52,19 +55,6 @@ inline double parse_double(std::string_view name, std::string_view text) {
   return v;
 }
 
-inline std::string json_string(std::string_view s) {
-  std::string out = "\"";
-  for (const char ch : s) {
-    if (ch == '"' || ch == '\\') {
-      out += '\\';
-      out += ch;
-    } else if (static_cast<unsigned char>(ch) < 0x20) {
-      out += fmt::format("\\u{:04x}", static_cast<unsigned>(ch));
-    } else {
-      out += ch;
-    }
-  }
-  return out + "\"";
-}
+using netio3::tools::json_string;
 
 }  // namespace netio3::raw

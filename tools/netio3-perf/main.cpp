@@ -31,11 +31,13 @@
 #include <fmt/format.h>
 #include <netio3/netio3.hpp>
 
+#include "json_text.hpp"
 #include "perf_client.hpp"
 #include "perf_server.hpp"
 
 using namespace netio3;
 using namespace netio3::perf;
+using netio3::tools::json_string;
 
 namespace {
 
@@ -179,21 +181,6 @@ EndPointAddress parse_address(const std::string& text) {
 
 std::string json_number(std::optional<double> value) {
   return value ? fmt::format("{:.6g}", *value) : std::string{"null"};
-}
-
-std::string json_string(std::string_view text) {
-  std::string out = "\"";
-  for (const char ch : text) {
-    if (ch == '"' || ch == '\\') {
-      out += '\\';
-      out += ch;
-    } else if (static_cast<unsigned char>(ch) < 0x20) {
-      out += fmt::format("\\u{:04x}", static_cast<unsigned>(ch));
-    } else {
-      out += ch;
-    }
-  }
-  return out + "\"";
 }
 
 struct Common {
