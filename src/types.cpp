@@ -32,6 +32,8 @@ constexpr std::array<std::string_view, 3> BACKEND_NAMES{"asyncmsg", "libfabric",
 constexpr std::array<std::string_view, 2> MODE_NAMES{"rdma", "tcp"};
 constexpr std::array<std::string_view, 2> SAFETY_NAMES{"safe", "unsafe"};
 constexpr std::array<std::string_view, 3> STATUS_NAMES{"ok", "no_resources", "failed"};
+constexpr std::array<std::string_view, 4> REFUSAL_NAMES{"unreachable", "timed_out", "rejected",
+                                                        "setup_failed"};
 
 }  // namespace
 
@@ -57,6 +59,9 @@ std::string_view to_string(ThreadSafetyModel model) noexcept {
 }
 std::string_view to_string(NetioStatus status) noexcept {
   return name_of(static_cast<std::size_t>(status), STATUS_NAMES);
+}
+std::string_view to_string(RefusalCause cause) noexcept {
+  return name_of(static_cast<std::size_t>(cause), REFUSAL_NAMES);
 }
 
 std::optional<BackendType> parse_backend_type(std::string_view name) noexcept {

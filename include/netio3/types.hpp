@@ -152,6 +152,37 @@ using OnSendCompleted = std::function<void(const EndPointAddress& remote, std::u
 /// closed (docs/observability.md).
 using OnReadyToSendCb = std::function<void(const EndPointAddress& remote)>;
 
+/// on_data_cb with the sender: a message arrived from `remote` (the connection's remote
+/// address, as the other callbacks name it: the address connected to for an active endpoint,
+/// the peer's source address for an accepted one). `data` is valid until the callback
+/// returns. Optional; when set it is called instead of on_data_cb (setting both is an
+/// InvalidConfiguration).
+using OnDataFromCb =
+    std::function<void(const EndPointAddress& remote, std::span<const std::uint8_t> data)>;
+
+/// Why an active connection could not be set up (RefusalReason::cause).
+enum class RefusalCause {
+  UNREACHABLE,  ///< nothing listens at the address, or no route to it: the connect failed
+  TIMED_OUT,    ///< the set-up did not finish within limits.connect_timeout
+  REJECTED,     ///< the peer answered and said no (its protocol version, its source-port rule)
+  SETUP_FAILED  ///< the set-up broke off: the peer closed or sent what is not netio3's set-up,
+                ///< or a local error
+};
+/// "unreachable", "timed_out", "rejected", "setup_failed".
+[[nodiscard]] NETIO3_API std::string_view to_string(RefusalCause cause) noexcept;
+
+/// What on_connection_refused_reason_cb reports: a cause to act on and a text to log.
+struct RefusalReason {
+  RefusalCause cause{RefusalCause::SETUP_FAILED};  ///< what kind of failure
+  std::string message;                             ///< what happened, in words
+};
+
+/// on_connection_refused_cb with the reason: an active connection could not be set up, and
+/// why. Optional; when set it is called instead of on_connection_refused_cb (setting both is
+/// an InvalidConfiguration).
+using OnConnectionRefusedReasonCb =
+    std::function<void(const EndPointAddress& remote, const RefusalReason& reason)>;
+
 /// Default of NetworkLimits::max_message_size: 64 MiB.
 inline constexpr std::size_t DEFAULT_MAX_MESSAGE_SIZE = std::size_t{64} << 20U;
 /// Default of NetworkLimits::max_unsent_bytes: 8 MiB.
@@ -206,6 +237,10 @@ struct NetworkConfig {
   NetworkLimits limits{};                                    ///< bounds against peers and overload
   /// Optional; appended after the members of the contract (see OnReadyToSendCb).
   OnReadyToSendCb on_ready_to_send_cb{};
+  /// Optional, instead of on_data_cb: the message with the connection it came from.
+  OnDataFromCb on_data_from_cb{};
+  /// Optional, instead of on_connection_refused_cb: the refusal with its reason.
+  OnConnectionRefusedReasonCb on_connection_refused_reason_cb{};
 };
 
 }  // namespace netio3
@@ -240,5 +275,6 @@ NETIO3_DETAIL_ENUM_FORMATTER(netio3::BackendType)
 NETIO3_DETAIL_ENUM_FORMATTER(netio3::NetworkMode)
 NETIO3_DETAIL_ENUM_FORMATTER(netio3::ThreadSafetyModel)
 NETIO3_DETAIL_ENUM_FORMATTER(netio3::NetioStatus)
+NETIO3_DETAIL_ENUM_FORMATTER(netio3::RefusalCause)
 #undef NETIO3_DETAIL_ENUM_FORMATTER
 /// @endcond

@@ -96,6 +96,9 @@ struct ConnectionBase : std::enable_shared_from_this<ConnectionBase> {
   static constexpr std::uint8_t WAITING = WAIT_TRANSPORT | WAIT_BUFFER;
   mutable std::atomic<std::uint8_t> send_waits{0};
   std::chrono::steady_clock::time_point established_at{};  // under `mutex`
+  // What on_connection_refused_reason_cb says if an active connection ends before it was
+  // established (loop thread only; ConnectionEngine::refuse sets it).
+  RefusalCause refusal{RefusalCause::SETUP_FAILED};
 
   // How it ends, from the moment it is CLOSING (loop thread only).
   struct Ending {
@@ -199,9 +202,11 @@ inline bool inside_region(const EndPointAddress& remote, std::span<const iovec> 
     if (at >= start && v.iov_len <= region.size() && at - start <= region.size() - v.iov_len) {
       continue;
     }
-    NETIO3_WARN("{}: send_data to {}: {} bytes at {} lie outside the registered region [{}, +{})",
-                backend, remote, v.iov_len, v.iov_base, static_cast<const void*>(region.data()),
-                region.size());
+    NETIO3_WARN(
+        "{}: send_data to {}: {} bytes at {} lie outside the zero-copy region [{}, +{}) "
+        "(send_zero_copy_params): FAILED",
+        backend, remote, v.iov_len, v.iov_base, static_cast<const void*>(region.data()),
+        region.size());
     return false;
   }
   return true;

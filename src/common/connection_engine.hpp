@@ -183,6 +183,12 @@ class ConnectionEngine {
     if (!header_ok(address, header, m_name)) return counted(conn, NetioStatus::FAILED);
     if constexpr (requires(Conn & c) { std::span<const std::uint8_t>{c.region}; }) {
       if (!inside_zero_copy_region(*conn, iov)) return counted(conn, NetioStatus::FAILED);
+    } else if (const auto& zc = conn->params.send_zero_copy_params; zc.mr_start != nullptr) {
+      // A transport that can send from anywhere still holds the application to the region
+      // it configured, so that code tested on it behaves the same on an RDMA backend.
+      if (!inside_region(conn->remote, iov, {zc.mr_start, zc.buf_size}, m_name)) {
+        return counted(conn, NetioStatus::FAILED);
+      }
     }
     return counted(conn, derived().post_data(conn, header, iov, Payload::REFERENCE,
                                              PendingSend{key, nullptr, total_size(header, iov)}));
@@ -352,7 +358,9 @@ class ConnectionEngine {
         *m_loop, m_name, m_config.limits.connect_timeout,
         [](const Conn& conn) { return conn.setting_up(); },
         [weak](const std::shared_ptr<Conn>& conn, const std::string& reason) {
-          if (auto self = weak.lock()) self->close(conn, reason, CloseCause::ERROR);
+          if (auto self = weak.lock()) {
+            self->refuse(conn, RefusalCause::TIMED_OUT, reason + " (limits.connect_timeout)");
+          }
         });
     m_liveness.emplace(*m_loop, m_config.limits.peer_timeout, [weak] {
       if (auto self = weak.lock()) self->liveness_tick();
@@ -485,11 +493,27 @@ class ConnectionEngine {
     finish(conn);
   }
 
+  // close() for an error that, during the set-up of an active connection, is reported to the
+  // application as a refusal for `refusal` (on_connection_refused_reason_cb). Loop thread.
+  void refuse(const std::shared_ptr<Conn>& conn, RefusalCause refusal, std::string_view reason) {
+    assert_loop_thread();
+    if (conn->setting_up()) conn->refusal = refusal;
+    close(conn, reason, CloseCause::ERROR);
+  }
+
   // close() from any thread: posted to the loop.
   void close_later(const std::shared_ptr<Conn>& conn, std::string reason, CloseCause cause) {
     std::weak_ptr<Derived> weak = derived().weak_from_this();
     m_loop->post([weak, conn, reason = std::move(reason), cause] {
       if (auto self = weak.lock()) self->close(conn, reason, cause);
+    });
+  }
+
+  // refuse() from any thread: posted to the loop.
+  void refuse_later(const std::shared_ptr<Conn>& conn, RefusalCause refusal, std::string reason) {
+    std::weak_ptr<Derived> weak = derived().weak_from_this();
+    m_loop->post([weak, conn, refusal, reason = std::move(reason)] {
+      if (auto self = weak.lock()) self->refuse(conn, refusal, reason);
     });
   }
 
@@ -775,7 +799,7 @@ class ConnectionEngine {
     if (info.was_open || (conn.active() && info.cause == CloseCause::LOCAL)) {
       m_notifier.closed(conn.remote, keys, info.reason);
     } else if (conn.active()) {
-      m_notifier.refused(conn.remote, info.reason);
+      m_notifier.refused(conn.remote, conn.refusal, info.reason);
     } else {
       NETIO3_DEBUG("{}: dropped incoming connection from {} before it was established: {}", m_name,
                    conn.remote, info.reason);

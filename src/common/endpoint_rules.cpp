@@ -56,6 +56,16 @@ void check_config(const NetworkConfig& config) {
   if (config.limits.peer_timeout.count() <= 0) {
     throw InvalidConfiguration("limits.peer_timeout must be > 0");
   }
+  if (config.on_data_cb && config.on_data_from_cb) {
+    throw InvalidConfiguration(
+        "set one of on_data_cb and on_data_from_cb (on_data_from_cb is on_data_cb with the "
+        "sender)");
+  }
+  if (config.on_connection_refused_cb && config.on_connection_refused_reason_cb) {
+    throw InvalidConfiguration(
+        "set one of on_connection_refused_cb and on_connection_refused_reason_cb "
+        "(on_connection_refused_reason_cb is on_connection_refused_cb with the reason)");
+  }
 }
 
 void check_connection_parameters(const ConnectionParameters& params, const NetworkConfig& config,

@@ -25,15 +25,21 @@ void guarded(bool stopped, std::string_view backend, std::string_view which, con
 Notifier::Notifier(std::string_view backend_name, const NetworkConfig& config)
     : m_name{backend_name},
       m_on_data{config.on_data_cb},
+      m_on_data_from{config.on_data_from_cb},
       m_on_established{config.on_connection_established_cb},
       m_on_closed{config.on_connection_closed_cb},
       m_on_refused{config.on_connection_refused_cb},
+      m_on_refused_reason{config.on_connection_refused_reason_cb},
       m_on_send_completed{config.on_send_completed_cb},
       m_on_ready_to_send{config.on_ready_to_send_cb} {}
 
 void Notifier::data(const EndPointAddress& remote, std::span<const std::uint8_t> bytes) const {
   NETIO3_TRACE("{}: recv from {} size={}", m_name, remote, bytes.size());
-  guarded(stopped(), m_name, "on_data_cb", m_on_data, bytes);
+  if (m_on_data_from) {
+    guarded(stopped(), m_name, "on_data_from_cb", m_on_data_from, remote, bytes);
+  } else {
+    guarded(stopped(), m_name, "on_data_cb", m_on_data, bytes);
+  }
 }
 
 void Notifier::established(const EndPointAddress& remote, const EndpointCapabilities& caps) const {
@@ -50,9 +56,15 @@ void Notifier::closed(const EndPointAddress& remote, const std::vector<std::uint
   guarded(stopped(), m_name, "on_connection_closed_cb", m_on_closed, remote, keys);
 }
 
-void Notifier::refused(const EndPointAddress& remote, std::string_view reason) const {
-  NETIO3_DEBUG("{}: connection to {} refused: {}", m_name, remote, reason);
-  guarded(stopped(), m_name, "on_connection_refused_cb", m_on_refused, remote);
+void Notifier::refused(const EndPointAddress& remote, RefusalCause cause,
+                       std::string_view reason) const {
+  NETIO3_DEBUG("{}: connection to {} refused ({}): {}", m_name, remote, cause, reason);
+  if (m_on_refused_reason) {
+    guarded(stopped(), m_name, "on_connection_refused_reason_cb", m_on_refused_reason, remote,
+            RefusalReason{cause, std::string{reason}});
+  } else {
+    guarded(stopped(), m_name, "on_connection_refused_cb", m_on_refused, remote);
+  }
 }
 
 void Notifier::send_completed(const EndPointAddress& remote, std::uint64_t key) const {

@@ -22,7 +22,7 @@ class Notifier {
   void established(const EndPointAddress& remote, const EndpointCapabilities& caps) const;
   void closed(const EndPointAddress& remote, const std::vector<std::uint64_t>& cancelled_keys,
               std::string_view reason) const;
-  void refused(const EndPointAddress& remote, std::string_view reason) const;
+  void refused(const EndPointAddress& remote, RefusalCause cause, std::string_view reason) const;
   void send_completed(const EndPointAddress& remote, std::uint64_t key) const;
   void ready_to_send(const EndPointAddress& remote) const;
   // Whether the application asked for on_ready_to_send_cb (else refusals are not tracked).
@@ -39,9 +39,11 @@ class Notifier {
  private:
   std::string_view m_name;
   OnDataCb m_on_data;
+  OnDataFromCb m_on_data_from;
   OnConnectionEstablishedCb m_on_established;
   OnConnectionClosedKeysCb m_on_closed;
   OnConnectionRefusedCb m_on_refused;
+  OnConnectionRefusedReasonCb m_on_refused_reason;
   OnSendCompleted m_on_send_completed;
   OnReadyToSendCb m_on_ready_to_send;
   mutable std::atomic<bool> m_stopped{false};

@@ -54,6 +54,7 @@ void FrameDecoder::reset() noexcept {
   m_pending.clear();
   m_error.clear();
   m_refused_address_in_use = false;
+  m_greeting_rejected = false;
 }
 
 bool FrameDecoder::parse_greeting(const std::uint8_t* p, Greeting& out) {
@@ -69,6 +70,7 @@ bool FrameDecoder::parse_greeting(const std::uint8_t* p, Greeting& out) {
   out.max_message_size = load_le32(p + 8);
   out.flags = load_le32(p + 12);
   if (out.major != m_protocol.major) {
+    m_greeting_rejected = true;
     m_error = fmt::format("unsupported protocol version {}.{} (this side speaks {} {}.{}){}",
                           out.major, out.minor, m_protocol.name, m_protocol.major, m_protocol.minor,
                           other_protocol_hint(out.major));
@@ -76,6 +78,7 @@ bool FrameDecoder::parse_greeting(const std::uint8_t* p, Greeting& out) {
   }
   if (out.max_message_size == 0 && (out.flags & GREETING_REFUSED_ADDRESS_IN_USE) != 0) {
     m_refused_address_in_use = true;
+    m_greeting_rejected = true;
     m_error = "refused by the peer: it has a connection from this source address and port already";
     return false;
   }

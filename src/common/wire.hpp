@@ -141,6 +141,9 @@ class FrameDecoder {
   // The ERROR was a refusal greeting: the peer has a connection from this side's source
   // address and port already (a new source port may succeed).
   [[nodiscard]] bool refused_address_in_use() const noexcept { return m_refused_address_in_use; }
+  // The error is a netio3 greeting this side cannot accept (another protocol version or
+  // backend, a refusal): the peer is netio3 and said no, rather than sent garbage.
+  [[nodiscard]] bool greeting_rejected() const noexcept { return m_greeting_rejected; }
   // The type of the frame whose message on_message is being given (valid during the call).
   [[nodiscard]] std::uint8_t frame_type() const noexcept { return m_type; }
   [[nodiscard]] bool greeted() const noexcept { return m_stage != Stage::GREETING; }
@@ -183,6 +186,7 @@ class FrameDecoder {
   std::vector<std::uint8_t> m_pending;  // WAIT: input after the header, kept for resume()
   std::string m_error;
   bool m_refused_address_in_use{false};
+  bool m_greeting_rejected{false};
 };
 
 template <typename OnGreeting, typename OnMessage, typename Admit>

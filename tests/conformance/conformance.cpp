@@ -56,9 +56,9 @@ std::vector<BackendType> backends() {
 }
 
 Node::Node(BackendType type_, ThreadSafetyModel model_,
-           const std::function<void(NetworkConfig&)>& tweak)
+           const std::function<void(NetworkConfig&)>& tweak, Recorder::Callbacks callbacks)
     : type{type_}, model{model_}, traits{conformance::traits(type_)} {
-  auto config = rec.config(model, traits.mode);
+  auto config = rec.config(model, traits.mode, callbacks);
   if (tweak) tweak(config);
   backend = Netio3Backend::create(type, std::move(config), loop.loop());
 }

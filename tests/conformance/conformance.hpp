@@ -47,7 +47,8 @@ inline constexpr std::size_t LARGE = std::size_t{256} << 10U;
 class Node {
  public:
   Node(BackendType type, ThreadSafetyModel model,
-       const std::function<void(NetworkConfig&)>& tweak = {});
+       const std::function<void(NetworkConfig&)>& tweak = {},
+       Recorder::Callbacks callbacks = Recorder::Callbacks::DOCUMENTED);
   ~Node();
   Node(const Node&) = delete;
   Node& operator=(const Node&) = delete;

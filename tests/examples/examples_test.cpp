@@ -275,6 +275,117 @@ TEST_P(OnBackend, CopySendDeliversHeaderAndPayloadAsOneSpan) {
   EXPECT_THAT(child.out(), HasSubstr("send_data_copy(127.0.0.1:"));
 }
 
+// ---- README.md and the user guide (docs/guide.md) --------------------------------------
+
+TEST_P(OnBackend, ReadmeProgramSendsHelloToItself) {
+  Child child{{EXAMPLE_README, GetParam()}};
+  ASSERT_EQ(child.wait(), 0) << child.describe();
+  EXPECT_EQ(child.out(), "received \"hello\"\n") << child.describe();
+}
+
+TEST(Examples, ReadmeProgramRejectsAnUnknownBackend) {
+  Child child{{EXAMPLE_README, "carrier-pigeon"}};
+  EXPECT_EQ(child.wait(), 2) << child.describe();
+  EXPECT_THAT(child.err(), HasSubstr("usage:")) << child.describe();
+}
+
+// The receiver's "REMOTE: N messages in order" lines, as the numbers N (sorted).
+std::vector<std::uint64_t> in_order_counts(const std::string& out) {
+  std::vector<std::uint64_t> counts;
+  for (const auto& line : lines_of(out)) {
+    if (!line.ends_with(" messages in order")) continue;
+    const auto n = number_after(line, ": ");
+    if (n) counts.push_back(std::stoull(*n));
+  }
+  std::sort(counts.begin(), counts.end());
+  return counts;
+}
+
+// Two senders of the first program into one receiver: one whose window (4096 slots) is
+// larger than any backend accepts at once, so that it meets NO_RESOURCES and is called back
+// by on_ready_to_send_cb; one with 4 slots, which waits for its own completions. The
+// receiver tells them apart (on_data_from_cb) and checks each one's order.
+TEST_P(OnBackend, GuideFirstProgramTwoSendersArriveWholeAndInOrder) {
+  Child receiver{with_backend({EXAMPLE_GUIDE_RECEIVER, "--senders", "2"})};
+  const std::string port = start_receiver(receiver);
+  ASSERT_FALSE(port.empty()) << receiver.describe();
+  Child wide{with_backend(
+      {EXAMPLE_GUIDE_SENDER, "--port", port, "--messages", "20000", "--slots", "4096"})};
+  Child narrow{
+      with_backend({EXAMPLE_GUIDE_SENDER, "--port", port, "--messages", "5000", "--slots", "4"})};
+  ASSERT_EQ(wide.wait(), 0) << wide.describe();
+  ASSERT_EQ(narrow.wait(), 0) << narrow.describe();
+  ASSERT_EQ(receiver.wait(), 0) << receiver.describe();
+  EXPECT_EQ(in_order_counts(receiver.out()), (std::vector<std::uint64_t>{5000, 20000}))
+      << receiver.describe();
+  EXPECT_EQ(count_lines_starting_with(receiver.out(), "127.0.0.1:"), 4U)
+      << "2 connected, 2 counted: " << receiver.describe();
+  EXPECT_THAT(wide.out(), HasSubstr("20000 sent, 20000 completed, 0 cancelled")) << wide.describe();
+  const auto ready = number_after(wide.out(), "bytes sent to 127.0.0.1:" + port + " (");
+  ASSERT_TRUE(ready.has_value()) << wide.describe();
+  EXPECT_GT(std::stoul(*ready), 0U) << "the wide sender was never refused: " << wide.describe();
+  EXPECT_THAT(narrow.out(), HasSubstr("5000 sent, 5000 completed, 0 cancelled"))
+      << narrow.describe();
+}
+
+TEST_P(OnBackend, GuideFirstSenderSaysWhyItWasRefused) {
+  const netio3::test::BoundSocket hold{{"127.0.0.1", 0}};
+  ASSERT_EQ(hold.error(), "");
+  Child sender{with_backend({EXAMPLE_GUIDE_SENDER, "--port", std::to_string(hold.port())})};
+  EXPECT_EQ(sender.wait(), 1) << sender.describe();
+  EXPECT_THAT(sender.out(), HasSubstr(fmt::format(
+                                "connection to 127.0.0.1:{} refused (unreachable): ", hold.port())))
+      << sender.describe();
+}
+
+// Buffered and copy sends from the application's own thread, into one receiver.
+TEST_P(OnBackend, GuideThreadsSendBufferedAndCopiesFromTheirOwnThread) {
+  Child receiver{with_backend({EXAMPLE_GUIDE_RECEIVER, "--senders", "2"})};
+  const std::string port = start_receiver(receiver);
+  ASSERT_FALSE(port.empty()) << receiver.describe();
+  Child buffered{with_backend(
+      {EXAMPLE_GUIDE_THREADS, "--port", port, "--send", "buffered", "--messages", "20000"})};
+  Child copies{with_backend(
+      {EXAMPLE_GUIDE_THREADS, "--port", port, "--send", "copy", "--messages", "10000"})};
+  ASSERT_EQ(buffered.wait(), 0) << buffered.describe();
+  ASSERT_EQ(copies.wait(), 0) << copies.describe();
+  ASSERT_EQ(receiver.wait(), 0) << receiver.describe();
+  EXPECT_EQ(in_order_counts(receiver.out()), (std::vector<std::uint64_t>{10000, 20000}))
+      << receiver.describe();
+  EXPECT_THAT(buffered.out(), HasSubstr("OK: 20000 messages sent buffered, 20000 completed, 0 "
+                                        "cancelled"))
+      << buffered.describe();
+  if (copy_supported()) {
+    EXPECT_THAT(copies.out(), HasSubstr("OK: 10000 messages sent as copies, 10000 completed"))
+        << copies.describe();
+  } else {
+    EXPECT_THAT(copies.out(), HasSubstr("cannot send copies (capabilities.send_copy is false)"))
+        << copies.describe();
+    EXPECT_THAT(copies.out(), HasSubstr("OK: 10000 messages sent buffered")) << copies.describe();
+  }
+}
+
+TEST_P(OnBackend, GuideSharedBuffersServeManyConnectionsFromOnePool) {
+  Child child{
+      with_backend({EXAMPLE_GUIDE_SHARED_BUFFERS, "--connections", "8", "--messages", "3000"})};
+  ASSERT_EQ(child.wait(), 0) << child.describe();
+  const auto high_water = number_after(child.out(), "at most ");
+  ASSERT_TRUE(high_water.has_value()) << child.describe();
+  EXPECT_GT(std::stoul(*high_water), 0U) << child.describe();
+  EXPECT_LE(std::stoul(*high_water), 32U) << child.describe();
+  EXPECT_THAT(child.out(), HasSubstr("OK\n")) << child.describe();
+}
+
+TEST_P(OnBackend, GuideErrorsHappenAsDocumented) {
+  Child child{with_backend({EXAMPLE_GUIDE_ERRORS})};
+  ASSERT_EQ(child.wait(), 0) << child.describe();
+  EXPECT_EQ(count_lines_starting_with(child.out(), "WRONG"), 0U) << child.describe();
+  EXPECT_EQ(count_lines_starting_with(child.out(), "ok: "), 11U) << child.describe();
+  // The exception thrown by on_data_cb was logged, and the backend carried on.
+  EXPECT_THAT(child.err(), HasSubstr("exception escaped on_data_cb: the application's own bug"))
+      << child.describe();
+}
+
 // ---- netio3-demo -----------------------------------------------------------------------
 
 class DemoTest : public ::testing::TestWithParam<std::tuple<std::string, std::string>> {

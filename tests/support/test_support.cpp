@@ -209,11 +209,25 @@ void LoopThread::stop() {
   m_thread.join();
 }
 
-NetworkConfig Recorder::config(ThreadSafetyModel model, NetworkMode mode) {
+NetworkConfig Recorder::config(ThreadSafetyModel model, NetworkMode mode, Callbacks callbacks) {
   NetworkConfig config{.mode = mode, .thread_safety = model};
-  config.on_data_cb = [this](std::span<const std::uint8_t> data) {
-    record(Event{.kind = Kind::DATA, .size = data.size()}, data);
-  };
+  if (callbacks == Callbacks::DOCUMENTED) {
+    config.on_data_cb = [this](std::span<const std::uint8_t> data) {
+      record(Event{.kind = Kind::DATA, .size = data.size()}, data);
+    };
+    config.on_connection_refused_cb = [this](const EndPointAddress& remote) {
+      record(Event{.kind = Kind::REFUSED, .remote = remote}, {});
+    };
+  } else {
+    config.on_data_from_cb = [this](const EndPointAddress& remote,
+                                    std::span<const std::uint8_t> data) {
+      record(Event{.kind = Kind::DATA, .remote = remote, .size = data.size()}, data);
+    };
+    config.on_connection_refused_reason_cb = [this](const EndPointAddress& remote,
+                                                    const RefusalReason& reason) {
+      record(Event{.kind = Kind::REFUSED, .remote = remote, .refusal = reason}, {});
+    };
+  }
   config.on_connection_established_cb = [this](const EndPointAddress& remote,
                                                EndpointCapabilities caps) {
     record(Event{.kind = Kind::ESTABLISHED, .remote = remote, .caps = caps}, {});
@@ -222,9 +236,6 @@ NetworkConfig Recorder::config(ThreadSafetyModel model, NetworkMode mode) {
                                           const std::vector<std::uint64_t>& keys) {
     { const std::unique_lock wait_for_buffer_users{m_buffer_guard}; }
     record(Event{.kind = Kind::CLOSED, .remote = remote, .keys = keys}, {});
-  };
-  config.on_connection_refused_cb = [this](const EndPointAddress& remote) {
-    record(Event{.kind = Kind::REFUSED, .remote = remote}, {});
   };
   config.on_send_completed_cb = [this](const EndPointAddress& remote, std::uint64_t key) {
     record(Event{.kind = Kind::COMPLETED, .remote = remote, .key = key}, {});

@@ -142,20 +142,26 @@ class Recorder {
  public:
   // READY: on_ready_to_send_cb.
   enum class Kind { ESTABLISHED, CLOSED, REFUSED, COMPLETED, DATA, READY };
+  // Which of the callback variants config() sets: the documented on_data_cb and
+  // on_connection_refused_cb, or on_data_from_cb and on_connection_refused_reason_cb.
+  enum class Callbacks { DOCUMENTED, WITH_SENDER_AND_REASON };
   struct Event {
     Kind kind{};
-    EndPointAddress remote{};           // empty for DATA (on_data_cb has no address)
+    // Empty for DATA with Callbacks::DOCUMENTED (on_data_cb has no address).
+    EndPointAddress remote{};
     std::uint64_t key{};                // COMPLETED
     std::vector<std::uint64_t> keys{};  // CLOSED
     EndpointCapabilities caps{};        // ESTABLISHED
     std::size_t size{};                 // DATA
     std::thread::id thread{};
+    RefusalReason refusal{};  // REFUSED with Callbacks::WITH_SENDER_AND_REASON
   };
 
   // A NetworkConfig whose callbacks all feed this recorder. `on_data` (optional) is
   // called on the loop thread after the message was recorded, e.g. to echo it.
   [[nodiscard]] NetworkConfig config(ThreadSafetyModel model = ThreadSafetyModel::SAFE,
-                                     NetworkMode mode = NetworkMode::TCP);
+                                     NetworkMode mode = NetworkMode::TCP,
+                                     Callbacks callbacks = Callbacks::DOCUMENTED);
 
   // Called after every recorded event, outside the recorder's lock, on the loop thread.
   void set_hook(std::function<void(const Event&, std::span<const std::uint8_t>)> hook);

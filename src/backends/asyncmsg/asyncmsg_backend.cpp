@@ -98,8 +98,8 @@ void Backend::open_active_endpoint(const EndPointAddress& address,
   if (err != 0) {
     // Failed at once (e.g. no route): reported like any refusal, from the loop.
     m_registry.add_connection(held, conn);
-    close_later(conn, fmt::format("connect failed: {}", detail::errno_text(err)),
-                CloseCause::ERROR);
+    refuse_later(conn, RefusalCause::UNREACHABLE,
+                 fmt::format("connect failed: {}", detail::errno_text(err)));
     return;
   }
   // Writable = connected or failed; on_socket_event tells which from SO_ERROR. The
@@ -303,12 +303,13 @@ void Backend::on_connect_done(const std::shared_ptr<Connection>& conn) {
     err = errno;
   }
   if (err != 0) {
-    close(conn, fmt::format("connect failed: {}", detail::errno_text(err)), CloseCause::ERROR);
+    refuse(conn, RefusalCause::UNREACHABLE,
+           fmt::format("connect failed: {}", detail::errno_text(err)));
     return;
   }
   if (detail::connected_to_itself(conn->socket.native_handle())) {
-    close(conn, "connect failed: nothing listens there (the socket connected to itself)",
-          CloseCause::ERROR);
+    refuse(conn, RefusalCause::UNREACHABLE,
+           "connect failed: nothing listens there (the socket connected to itself)");
     return;
   }
   {
@@ -486,6 +487,8 @@ void Backend::on_readable(const std::shared_ptr<Connection>& conn) {
         NETIO3_WARN("asyncmsg: connection with {} closed by the peer in the middle of a message",
                     conn->remote);
         close(conn, "peer closed the connection in the middle of a message", CloseCause::PEER);
+      } else if (conn->setting_up()) {
+        close(conn, "the peer closed the connection before its netio3 greeting", CloseCause::PEER);
       } else {
         close(conn, "peer closed the connection", CloseCause::PEER);
       }
@@ -592,7 +595,10 @@ bool Backend::after_decode(const std::shared_ptr<Connection>& conn, FrameDecoder
         return false;
       }
       NETIO3_WARN("asyncmsg: closing connection with {}: {}", conn->remote, conn->decoder.error());
-      close(conn, conn->decoder.error(), CloseCause::ERROR);
+      refuse(
+          conn,
+          conn->decoder.greeting_rejected() ? RefusalCause::REJECTED : RefusalCause::SETUP_FAILED,
+          conn->decoder.error());
       return false;
     case FrameDecoder::Status::STOPPED:
       return false;

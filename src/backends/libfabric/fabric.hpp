@@ -87,10 +87,21 @@ struct ProviderChoice {
 // The first 16 bytes are all that netio3 before heartbeats sent and read: such a peer ignores
 // the flag and the token (it gets no heartbeats and sends none), and its 16 bytes read as
 // "no token, no heartbeats".
+// CM_TAG_DATA: this side receives through a shared receive context, whose completions do not
+// say which endpoint a message came from; the peer sends every data message with remote CQ
+// data = its token with the top bit of the CQ data set (cq_tag_bit), so that the message is
+// delivered with its connection (on_data_from_cb). Tokens stay below that bit. A peer that
+// does not know the flag sends untagged data: delivered as from an unknown connection.
 inline constexpr std::size_t CM_DATA_SIZE = 24;
 inline constexpr std::size_t CM_DATA_MIN_SIZE = 16;
 inline constexpr std::uint16_t CM_REFUSED_ADDRESS_IN_USE = 1;
 inline constexpr std::uint16_t CM_SENDS_HEARTBEATS = 2;
+inline constexpr std::uint16_t CM_TAG_DATA = 4;
+// The bit of remote CQ data that marks a tagged data message (CM_TAG_DATA), for CQ data of
+// `bytes` bytes (4 with verbs, 8 with tcp): the top one; a heartbeat's token never has it.
+[[nodiscard]] constexpr std::uint64_t cq_tag_bit(std::size_t bytes) noexcept {
+  return std::uint64_t{1} << (8 * std::min<std::size_t>(bytes, 8) - 1);
+}
 struct CmData {
   std::uint64_t recv_buf_size{};
   std::uint16_t flags{};

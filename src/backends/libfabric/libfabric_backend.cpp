@@ -145,7 +145,8 @@ void Backend::open_active_endpoint(const EndPointAddress& address,
   const int rc = fi_connect(conn->ep.get(), info->dest_addr, data.data(), data.size());
   if (rc != 0) {
     // Reported like a refusal, from the loop (never from inside this call).
-    close_later(conn, fmt::format("fi_connect failed: {}", fi_error(rc)), CloseCause::ERROR);
+    refuse_later(conn, RefusalCause::UNREACHABLE,
+                 fmt::format("fi_connect failed: {}", fi_error(rc)));
     return;
   }
   NETIO3_DEBUG("libfabric: connecting to {} (provider {})", address, domain.provider());
@@ -409,9 +410,20 @@ NetioStatus Backend::post_send(Connection& conn, std::span<const std::uint8_t> h
     op.ticket = conn.ledger.add(pending);
     op.bytes = size;
     op.buffer = pending.buffer;
-    const ssize_t rc =
-        n == 1 ? fi_send(conn.ep.get(), iov[0].iov_base, iov[0].iov_len, desc[0], 0, &op)
-               : fi_sendv(conn.ep.get(), iov.data(), desc.data(), n, 0, &op);
+    ssize_t rc = 0;
+    if (conn.data_tag == 0) {
+      rc = n == 1 ? fi_send(conn.ep.get(), iov[0].iov_base, iov[0].iov_len, desc[0], 0, &op)
+                  : fi_sendv(conn.ep.get(), iov.data(), desc.data(), n, 0, &op);
+    } else {
+      // The peer receives through a shared receive context: the tag names this connection.
+      const fi_msg msg{.msg_iov = iov.data(),
+                       .desc = desc.data(),
+                       .iov_count = n,
+                       .addr = 0,
+                       .context = &op,
+                       .data = conn.data_tag};
+      rc = fi_sendmsg(conn.ep.get(), &msg, FI_REMOTE_CQ_DATA);
+    }
     if (rc != 0) {
       conn.ledger.retract(op.ticket);
       if (rc == -FI_EAGAIN) return NetioStatus::NO_RESOURCES;

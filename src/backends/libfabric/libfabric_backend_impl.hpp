@@ -123,6 +123,7 @@ struct Connection : detail::ConnectionBase {
   // Under `mutex`.
   std::size_t peer_recv_size{0};
   std::uint64_t peer_heartbeat_token{0};  // the CQ data of heartbeats to the peer
+  std::uint64_t data_tag{0};  // CQ data of every data message to the peer (CM_TAG_DATA), or 0
   std::uint64_t unsent_bytes{0};
   void* send_desc{nullptr};
   Fid<fid_mr> send_mr;
@@ -318,11 +319,13 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
 
   std::size_t drain_cq(Domain& domain);
 
-  void on_completion(const fi_cq_data_entry& entry);
+  void on_completion(const Domain& domain, const fi_cq_data_entry& entry);
 
   void on_completion_error(Domain& domain, const fi_cq_err_entry& err);
 
-  void on_received(Op& op, std::size_t len);
+  // A message arrived in op's buffer. Through a shared receive context `token` names its
+  // connection (a tagged message, CM_TAG_DATA), 0 when the sender did not tag it.
+  void on_received(Op& op, std::size_t len, std::uint64_t token = 0);
 
   // A heartbeat (an empty message with remote CQ data: the token) arrived into `op`.
   void on_heartbeat(Op& op, std::uint64_t token);

@@ -214,21 +214,27 @@ std::size_t Backend::drain_cq(Domain& domain) {
     }
     handled += static_cast<std::size_t>(n);
     for (ssize_t i = 0; i < n; ++i) {
-      on_completion(entries.at(static_cast<std::size_t>(i)));
+      on_completion(domain, entries.at(static_cast<std::size_t>(i)));
       if (shut_down()) return handled;
     }
   }
   return handled;
 }
 
-void Backend::on_completion(const fi_cq_data_entry& entry) {
+void Backend::on_completion(const Domain& domain, const fi_cq_data_entry& entry) {
   auto* op = static_cast<Op*>(entry.op_context);
   if (op == nullptr) return;
   if (op->kind == Op::Kind::RECV) {
     op->recv->posted.fetch_sub(1, std::memory_order_relaxed);
-    // Only heartbeats carry remote CQ data.
+    // Remote CQ data: a heartbeat (the token), or a tagged message (the token and the tag
+    // bit: a shared receive context's, CM_TAG_DATA).
     if ((entry.flags & FI_REMOTE_CQ_DATA) != 0) [[unlikely]] {
-      on_heartbeat(*op, entry.data);
+      const std::uint64_t tag_bit = cq_tag_bit(domain.cq_data_size());
+      if ((entry.data & tag_bit) != 0) {
+        on_received(*op, entry.len, entry.data & ~tag_bit);
+      } else {
+        on_heartbeat(*op, entry.data);
+      }
       return;
     }
     on_received(*op, entry.len);
@@ -270,12 +276,20 @@ void Backend::on_completion_error(Domain& domain, const fi_cq_err_entry& err) {
   }
 }
 
-void Backend::on_received(Op& op, std::size_t len) {
+void Backend::on_received(Op& op, std::size_t len, std::uint64_t token) {
   Connection* conn = op.conn;
   const std::span<const std::uint8_t> bytes{op.buffer->data(),
                                             std::min(len, op.buffer->capacity())};
   if (conn == nullptr) {
-    m_notifier.data(SHARED_SOURCE, bytes);
+    // A shared receive context: the tag names the connection; a sender that does not tag
+    // (an older netio3) leaves it unknown.
+    if (token == 0) {
+      m_notifier.data(SHARED_SOURCE, bytes);
+    } else if (const auto named = m_registry.by_id(token)) {
+      ++named->arrivals;
+      // A connection that is closing delivers nothing more (as with its own buffers).
+      if (still_open(*named)) (void)deliver(*named, bytes);
+    }
     if (!shut_down()) repost_shared(op);
     return;
   }
@@ -324,11 +338,13 @@ void Backend::send_heartbeat(const std::shared_ptr<Connection>& conn) {
 CmData Backend::own_cm_data(const Connection& conn) {
   const std::size_t bytes = conn.domain->cq_data_size();
   const bool heartbeats = bytes >= sizeof(std::uint32_t);
-  // The token must fit the CQ data (verbs: 4 bytes); connection ids count from 1.
-  const bool fits = bytes >= sizeof(std::uint64_t) || conn.id < (std::uint64_t{1} << (8 * bytes));
-  return CmData{.recv_buf_size = receive_size(conn),
-                .flags = heartbeats ? CM_SENDS_HEARTBEATS : std::uint16_t{0},
-                .heartbeat_token = heartbeats && fits && conn.recv ? conn.id : 0};
+  // The token must fit the CQ data (verbs: 4 bytes) below its tag bit; connection ids count
+  // from 1.
+  const bool fits = conn.id < cq_tag_bit(bytes);
+  const std::uint64_t token = heartbeats && fits && conn.recv ? conn.id : 0;
+  std::uint16_t flags = heartbeats ? CM_SENDS_HEARTBEATS : std::uint16_t{0};
+  if (token != 0 && conn.recv->srx) flags |= CM_TAG_DATA;
+  return CmData{.recv_buf_size = receive_size(conn), .flags = flags, .heartbeat_token = token};
 }
 
 void Backend::take_peer_cm_data(Connection& conn, const CmData& peer) {
@@ -338,6 +354,9 @@ void Backend::take_peer_cm_data(Connection& conn, const CmData& peer) {
   const std::lock_guard lock{conn.mutex};
   conn.peer_recv_size = peer.recv_buf_size;
   conn.peer_heartbeat_token = peer.heartbeat_token;
+  conn.data_tag = (peer.flags & CM_TAG_DATA) != 0 && peer.heartbeat_token != 0
+                      ? peer.heartbeat_token | cq_tag_bit(conn.domain->cq_data_size())
+                      : 0;
 }
 
 void Backend::post_receive(Op& op, fid_ep* target) const {
@@ -410,17 +429,48 @@ void Backend::on_cm_event(Domain& domain, std::uint32_t event, const fi_eq_cm_en
 }
 
 void Backend::on_eq_error(Domain& domain, const fi_eq_err_entry& err) {
-  std::array<char, 256> detail_text{};
-  const char* detail = fi_eq_strerror(domain.eq(), err.prov_errno, err.err_data, detail_text.data(),
-                                      detail_text.size());
-  const std::string why = fmt::format("{}{}{}", fi_strerror(err.err), detail != nullptr ? ": " : "",
-                                      detail != nullptr ? detail : "");
+  std::string why = fi_strerror(err.err);
+  // The provider's own words, where it has some (for prov_errno 0 they read "Success").
+  if (err.prov_errno != 0) {
+    std::array<char, 256> detail_text{};
+    const char* detail = fi_eq_strerror(domain.eq(), err.prov_errno, err.err_data,
+                                        detail_text.data(), detail_text.size());
+    if (detail != nullptr && *detail != '\0') why = fmt::format("{}: {}", why, detail);
+  }
+  auto refusal = RefusalCause::SETUP_FAILED;
+  if (err.err == FI_ECONNREFUSED) {
+    // A netio3 listener that says no sends its connection data with the refusal; a closed
+    // port (or a closed listener) sends none.
+    std::string ignored;
+    const auto data =
+        err.err_data != nullptr && err.err_data_size >= CM_DATA_MIN_SIZE
+            ? decode_cm_data({static_cast<const std::uint8_t*>(err.err_data), err.err_data_size},
+                             ignored)
+            : std::nullopt;
+    if (!data) {
+      refusal = RefusalCause::UNREACHABLE;
+      why += " (nothing listens there, or its listen endpoint was closed)";
+    } else if ((data->flags & CM_REFUSED_ADDRESS_IN_USE) != 0) {
+      refusal = RefusalCause::REJECTED;
+      why = "refused by the peer: it has a connection from this source address and port already";
+    } else {
+      refusal = RefusalCause::REJECTED;
+      why = "refused by the peer (its log says why)";
+    }
+  } else if (err.err == FI_ETIMEDOUT) {
+    refusal = RefusalCause::TIMED_OUT;
+  } else if (err.err == FI_EHOSTUNREACH || err.err == FI_ENETUNREACH) {
+    refusal = RefusalCause::UNREACHABLE;
+  }
   if (auto conn = m_registry.by_id(id_of(err.fid))) {
     if (err.err == FI_ECONNREFUSED && refused_address_in_use(err) &&
         conn->phase == Phase::CONNECTING && reconnect_from_new_source_port(conn)) {
       return;
     }
-    close(conn, why, CloseCause::ERROR);
+    if (conn->setting_up() && refusal == RefusalCause::SETUP_FAILED) {
+      why += " (the connection broke off during the provider's set-up)";
+    }
+    refuse(conn, refusal, why);
     return;
   }
   NETIO3_DEBUG("libfabric: event queue error for no known endpoint: {}", why);
@@ -480,7 +530,8 @@ bool Backend::reconnect_from_new_source_port(const std::shared_ptr<Connection>& 
   const int rc = fi_connect(conn->ep.get(), info->dest_addr, data.data(), data.size());
   if (rc != 0) {
     // Reported from the loop, after the event being handled.
-    close_later(conn, fmt::format("fi_connect failed: {}", fi_error(rc)), CloseCause::ERROR);
+    refuse_later(conn, RefusalCause::UNREACHABLE,
+                 fmt::format("fi_connect failed: {}", fi_error(rc)));
   }
   return true;
 }

@@ -140,12 +140,13 @@ void Backend::on_control_event(const std::shared_ptr<Connection>& conn, std::uin
   if (conn->phase == Phase::CONNECTING) {
     const int err = detail::connect_result(conn->control.get());
     if (err != 0) {
-      close(conn, fmt::format("connect failed: {}", detail::errno_text(err)), CloseCause::ERROR);
+      refuse(conn, RefusalCause::UNREACHABLE,
+             fmt::format("connect failed: {}", detail::errno_text(err)));
       return;
     }
     if (detail::connected_to_itself(conn->control.get())) {
-      close(conn, "connect failed: nothing listens there (the socket connected to itself)",
-            CloseCause::ERROR);
+      refuse(conn, RefusalCause::UNREACHABLE,
+             "connect failed: nothing listens there (the socket connected to itself)");
       return;
     }
     {
@@ -191,6 +192,7 @@ void Backend::read_control(const std::shared_ptr<Connection>& conn) {
             !conn->greeted && reconnect_from_new_source_port(conn)) {
           return;
         }
+        if (conn->decoder.greeting_rejected()) conn->refusal = RefusalCause::REJECTED;
         protocol_error_now(conn, conn->decoder.error());
         return;
       }

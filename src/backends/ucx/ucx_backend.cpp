@@ -62,7 +62,7 @@ void Backend::start() {
               "later; older ones listen with UCX's connection manager)",
               reason, PROTOCOL_VERSION);
           NETIO3_WARN("ucx: connection to {}: {}", conn->remote, why);
-          self->close(conn, why, CloseCause::ERROR);
+          self->refuse(conn, RefusalCause::TIMED_OUT, why);
         }
       },
       "waiting for the server's greeting", false);
@@ -308,8 +308,8 @@ void Backend::open_active_endpoint(const EndPointAddress& address,
   }
   if (error != 0) {
     // Failed at once (no route, ...): reported like any refusal, from the loop.
-    close_later(conn, fmt::format("connect failed: {}", detail::errno_text(error)),
-                CloseCause::ERROR);
+    refuse_later(conn, RefusalCause::UNREACHABLE,
+                 fmt::format("connect failed: {}", detail::errno_text(error)));
     return;
   }
   track_setup(conn);
