@@ -12,12 +12,15 @@
 //              completion of its previous send; key = sequence number
 //   copy       send_data_copy: the sequence number as header_data, the pattern from a
 //              read-only table; key = sequence number
-// Back-pressure: when get_buffer returns nullptr, send_* returns NO_RESOURCES or the ring
-// slot is still in flight, the sender waits (condition variable with a deadline) until a
-// send completed; it never spins.
+// Back-pressure: when get_buffer returns nullptr or send_* returns NO_RESOURCES, the sender
+// waits (condition variable with a deadline) for on_ready_to_send_cb, which says when the
+// connection takes sends again; when the ring slot it needs is still in flight, for that
+// slot's completion. It never spins.
 //
-// Run: netio3-demo [--backend asyncmsg] [--size 4096] [--seconds 3]
+// Run: netio3-demo [--backend asyncmsg] [--mode tcp|rdma] [--size 4096] [--seconds 3]
 //                  [--send buffered|zero-copy|copy] [--ip 127.0.0.1]
+// --mode (default tcp) is NetworkConfig::mode: libfabric's tcp provider or verbs, UCX's tcp
+// transport or its own choice; asyncmsg always uses TCP.
 // Exit status 0 if every message sent arrived intact and in order and every send
 // completed; 1 if anything was lost, corrupted or reordered (or failed); 2 for bad options.
 
@@ -112,6 +115,7 @@ struct State {
   bool refused = false;
   // send side
   std::uint64_t completed = 0;
+  std::uint64_t ready = 0;  // on_ready_to_send_cb calls
   std::vector<std::uint64_t> cancelled;
   std::vector<bool> slot_busy = std::vector<bool>(IN_FLIGHT);  // zero-copy ring
   // receive side
@@ -131,7 +135,8 @@ struct Totals {
 
 class Demo {
  public:
-  Demo(BackendType backend_type, std::string ip, std::size_t size, SendMode mode)
+  Demo(BackendType backend_type, NetworkMode network, std::string ip, std::size_t size,
+       SendMode mode)
       : m_ip{std::move(ip)},
         m_size{size},
         m_mode{mode},
@@ -142,7 +147,7 @@ class Demo {
     m_backend = Netio3Backend::create(
         backend_type,
         {
-            .mode = NetworkMode::RDMA,
+            .mode = network,
             .thread_safety = ThreadSafetyModel::SAFE,
             .on_data_cb = [this](std::span<const std::uint8_t> data) { on_data(data); },
             .on_connection_established_cb =
@@ -165,6 +170,8 @@ class Demo {
                     if (m_mode == SendMode::ZERO_COPY) m_state.slot_busy[key % IN_FLIGHT] = false;
                   });
                 },
+            .on_ready_to_send_cb =
+                [this](const EndPointAddress&) { update([&] { ++m_state.ready; }); },
         },
         m_loop);
     m_thread = std::jthread([loop = m_loop] { loop->run(); });
@@ -256,21 +263,24 @@ class Demo {
     m_state.cv.notify_all();
   }
 
-  [[nodiscard]] std::uint64_t completions() {
+  // on_ready_to_send_cb calls so far: read before a send, so that a callback after its
+  // refusal is never missed.
+  [[nodiscard]] std::uint64_t ready_calls() {
     const std::lock_guard lock{m_state.mutex};
-    return m_state.completed;
+    return m_state.ready;
   }
 
-  // Waits until a send completed after `seen` completions; throws after STALL_TIMEOUT.
-  void wait_for_completion(std::uint64_t seen, std::string_view why) {
+  // Waits until on_ready_to_send_cb came after the `seen` calls before; throws after
+  // STALL_TIMEOUT.
+  void wait_until_ready(std::uint64_t seen, std::string_view why) {
     std::unique_lock lock{m_state.mutex};
     if (!m_state.cv.wait_for(lock, STALL_TIMEOUT,
-                             [&] { return m_state.completed > seen || m_state.closed > 0; }) ||
+                             [&] { return m_state.ready > seen || m_state.closed > 0; }) ||
         m_state.closed > 0) {
-      throw std::runtime_error(
-          fmt::format("{}, and no send completed within {} s ({} completed so far, connection {})",
-                      why, std::chrono::duration_cast<std::chrono::seconds>(STALL_TIMEOUT).count(),
-                      m_state.completed, m_state.closed > 0 ? "closed" : "open"));
+      throw std::runtime_error(fmt::format(
+          "{}, and no on_ready_to_send_cb within {} s ({} completed so far, connection {})", why,
+          std::chrono::duration_cast<std::chrono::seconds>(STALL_TIMEOUT).count(),
+          m_state.completed, m_state.closed > 0 ? "closed" : "open"));
     }
   }
 
@@ -312,11 +322,11 @@ class Demo {
   void send_buffered(std::uint64_t seq, std::span<const std::uint8_t> payload, Totals& totals) {
     NetworkBuffer* buffer = nullptr;
     while (buffer == nullptr) {
-      const auto seen = completions();
+      const auto seen = ready_calls();
       buffer = m_backend->get_buffer(m_remote);
       if (buffer == nullptr) {
         ++totals.waits_for_buffer;
-        wait_for_completion(seen, "get_buffer returned nullptr");
+        wait_until_ready(seen, "get_buffer returned nullptr");
       }
     }
     buffer->write(seq);
@@ -324,17 +334,17 @@ class Demo {
     retry_send(totals, [&] { return m_backend->send_buffer(m_remote, buffer); });
   }
 
-  // Calls send() until it returns OK; NO_RESOURCES waits for a completion first.
+  // Calls send() until it returns OK; NO_RESOURCES waits for on_ready_to_send_cb first.
   template <typename Send>
   void retry_send(Totals& totals, Send&& send) {
     for (;;) {
-      const auto seen = completions();
+      const auto seen = ready_calls();
       switch (send()) {
         case NetioStatus::OK:
           return;
         case NetioStatus::NO_RESOURCES:
           ++totals.no_resources;
-          wait_for_completion(seen, "the backend answered NO_RESOURCES");
+          wait_until_ready(seen, "the backend answered NO_RESOURCES");
           break;
         case NetioStatus::FAILED:
           throw std::runtime_error(fmt::format("a {} send returned FAILED", name(m_mode)));
@@ -395,7 +405,8 @@ class Demo {
 int main(int argc, char** argv) {
   std::cout.setf(std::ios::unitbuf);  // line by line, also into a pipe
   const auto options = example::Options::parse(
-      argc, argv, {{"size", "4096"}, {"seconds", "3"}, {"send", "copy"}, {"ip", "127.0.0.1"}});
+      argc, argv,
+      {{"size", "4096"}, {"seconds", "3"}, {"send", "copy"}, {"ip", "127.0.0.1"}, {"mode", "tcp"}});
   if (!options) return 2;
   const auto backend_type = options->backend();
   const auto size = options->number<std::size_t>("size");
@@ -404,7 +415,9 @@ int main(int argc, char** argv) {
   if (!mode)
     std::cerr << fmt::format("--send: '{}' is not buffered, zero-copy or copy\n",
                              options->str("send"));
-  if (!backend_type || !size || !seconds || !mode) return 2;
+  const auto network = parse_network_mode(options->str("mode"));
+  if (!network) std::cerr << fmt::format("--mode: '{}' is not tcp or rdma\n", options->str("mode"));
+  if (!backend_type || !size || !seconds || !mode || !network) return 2;
   if (*size < MIN_SIZE || *size > MAX_SIZE) {
     std::cerr << fmt::format("--size: {} is outside [{}, {}]\n", *size, MIN_SIZE, MAX_SIZE);
     return 2;
@@ -415,7 +428,7 @@ int main(int argc, char** argv) {
   }
 
   try {
-    Demo demo{*backend_type, options->str("ip"), *size, *mode};
+    Demo demo{*backend_type, *network, options->str("ip"), *size, *mode};
     demo.connect();
     std::cout << fmt::format(
         "netio3-demo: {} backend, loopback via {}, {} sends of {}-byte messages for {} s\n",

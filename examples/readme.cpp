@@ -7,7 +7,7 @@
 // [readme]
 #include <cstdio>
 #include <memory>
-#include <string_view>
+#include <span>
 
 #include <netio3/netio3.hpp>
 
@@ -36,9 +36,12 @@ int main(int argc, char** argv) {
        .on_connection_established_cb =
            [&](const EndPointAddress& remote, EndpointCapabilities) {
              if (remote != server) return;  // the accepted side of the connection
-             NetworkBuffer* buffer = backend->get_buffer(server);
-             buffer->write(std::span{reinterpret_cast<const std::uint8_t*>("hello"), 5});
-             if (backend->send_buffer(server, buffer) != NetioStatus::OK) loop->stop();
+             NetworkBuffer* buffer = backend->get_buffer(server);  // nullptr: none is free
+             if (buffer != nullptr) {
+               buffer->write(std::span{reinterpret_cast<const std::uint8_t*>("hello"), 5});
+               if (backend->send_buffer(server, buffer) == NetioStatus::OK) return;
+             }
+             loop->stop();  // could not send: give up
            },
        .on_connection_closed_cb =
            [&](const EndPointAddress& remote, const std::vector<std::uint64_t>&) {

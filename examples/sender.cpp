@@ -17,10 +17,12 @@
 //  - The single get_buffer/write/send_buffer block is repeated for --messages messages.
 //    `data` (undefined in the snippet) is message i: its 8-byte sequence number followed
 //    by the text "message i" (written with the span overload of NetworkBuffer::write).
-//    "// Handle status" is filled in as the comment suggests: NO_RESOURCES -> wait for a
-//    send completion (or at most 100 ms) and try again, FAILED -> give up. When get_buffer
-//    returns nullptr all buffers are in flight: wait for a completion and try again. Every
-//    wait has a deadline (--timeout); nothing spins.
+//    "// Handle status" is filled in as the comment suggests: NO_RESOURCES -> wait until
+//    on_ready_to_send_cb says the connection takes sends again, then try again (the buffer
+//    is still ours); FAILED -> give up. When get_buffer returns nullptr all buffers are in
+//    flight: the same wait, then try again. on_ready_to_send_cb is not in the documented
+//    snippet; it is the optional callback appended to NetworkConfig for exactly this
+//    (docs/guide.md). Every wait has a deadline (--timeout); nothing spins.
 //  - Before close_active_endpoint, the program waits until on_send_completed_cb reported
 //    every send, and after it until on_connection_closed_cb came.
 //
@@ -29,7 +31,6 @@
 // Exit status 0 if the connection was established and every message was sent and
 // completed.
 
-#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -49,7 +50,6 @@
 #include "example_support.hpp"
 
 using namespace netio3;
-using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
 
 int main(int argc, char** argv) {
@@ -75,6 +75,7 @@ int main(int argc, char** argv) {
   bool refused = false;
   bool closed = false;
   std::uint64_t completed = 0;
+  std::uint64_t ready = 0;  // on_ready_to_send_cb calls
   std::vector<std::uint64_t> cancelled;
   const auto wait_until = [&](auto condition) {
     std::unique_lock lock{mutex};
@@ -124,6 +125,12 @@ int main(int argc, char** argv) {
                   ++completed;
                   cv.notify_all();
                 },
+            .on_ready_to_send_cb =
+                [&](const EndPointAddress&) {
+                  const std::lock_guard lock{mutex};
+                  ++ready;
+                  cv.notify_all();
+                },
         },
         evloop);
     auto thread = std::jthread([evloop]() { evloop->run(); });
@@ -139,13 +146,11 @@ int main(int argc, char** argv) {
       return 1;
     }
 
-    // Waits until a send completed after `seen` completions (or the connection closed);
-    // with `retry_after`, gives up waiting earlier and lets the caller try again.
-    const auto wait_for_completion = [&](std::uint64_t seen, Clock::duration retry_after) {
-      std::unique_lock lock{mutex};
-      cv.wait_until(lock, std::min(deadline, Clock::now() + retry_after),
-                    [&] { return completed > seen || closed; });
-      return !closed && Clock::now() < deadline;
+    // Waits until on_ready_to_send_cb came after the `seen` calls before (or the connection
+    // closed): after NO_RESOURCES or an empty pool, the backend says when to try again.
+    // False when the connection closed or the deadline passed.
+    const auto wait_until_ready = [&](std::uint64_t seen) {
+      return wait_until([&] { return ready > seen || closed; }) && !closed;
     };
 
     std::uint64_t sent = 0;
@@ -157,14 +162,14 @@ int main(int argc, char** argv) {
 
       bool done = false;
       while (!done) {
-        std::uint64_t seen = 0;
+        std::uint64_t seen = 0;  // read before the call: no callback after it is missed
         {
           const std::lock_guard lock{mutex};
-          seen = completed;
+          seen = ready;
         }
         auto* buf = backend->get_buffer(endpoint);
         if (buf == nullptr) {  // all buffers in flight: wait until one comes back
-          if (!wait_for_completion(seen, 10s)) {
+          if (!wait_until_ready(seen)) {
             std::cout << fmt::format("FAILED: no send buffer became free for message {}\n", i);
             return 1;
           }
@@ -178,14 +183,14 @@ int main(int argc, char** argv) {
               ++sent;
               done = true;
               break;
-            case NetioStatus::NO_RESOURCES:  // try again (we still own buf)
-              if (!wait_for_completion(seen, 100ms)) {
+            case NetioStatus::NO_RESOURCES:  // try again when ready (we still own buf)
+              if (!wait_until_ready(seen)) {
                 std::cout << fmt::format("FAILED: message {} still not accepted\n", i);
                 return 1;
               }
               {
                 const std::lock_guard lock{mutex};
-                seen = completed;
+                seen = ready;
               }
               break;
             case NetioStatus::FAILED:

@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # One entry point for a fresh Debian 12 machine: installs what is missing, builds, runs.
 #
-#   tools/run.sh demo            build (release) and run the loopback demo on asyncmsg
+#   tools/run.sh demo            build the demo only (release preset) and run it: a loopback
+#                                send/receive on asyncmsg
 #   tools/run.sh test [PRESET]   build PRESET (release, debug, asan, tsan; default release)
 #                                and run the whole test suite with ctest
 #
 # For CI (.ci/run) and packagers:
 #   tools/run.sh plain CXX       the plain CMake Release build (no preset) with compiler CXX
-#                                in build/plain-CXX, warnings as errors, whole suite
+#                                in build/plain-CXX, warnings as errors, whole suite; also
+#                                builds the benchmark programs (target netio3_benchmarks),
+#                                which no other build makes unless asked
 #   tools/run.sh lint DIR        clang-tidy (.clang-tidy) on the library's sources, with
 #                                DIR's compile_commands.json, and the API reference
 #                                (target docs, Doxygen warnings as errors)
@@ -16,12 +19,17 @@
 #                                netio3-perf on every backend there and builds programs with
 #                                the installed netio3.pc and CMake package
 #
-# Installing packages needs root (or sudo); nothing is installed when all are present.
+# Installing packages needs root (or sudo); nothing is installed when all are present. Each
+# command installs what it needs and no more: demo and test the build's dependencies, the
+# CI commands their own tools besides (clang for plain, which also brings the fuzz test;
+# clang-tidy and Doxygen for lint; debootstrap for package).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# What the build needs (bench/compare reads this list too). The test libraries are small
+# and the release preset's configuration needs them, so the demo installs them as well.
 PACKAGES=(cmake ninja-build g++ pkg-config libboost-dev libfmt-dev libgtest-dev libgmock-dev
-          libbenchmark-dev libfabric-dev libucx-dev clang libclang-rt-14-dev)
+          libbenchmark-dev libfabric-dev libucx-dev)
 
 install_missing() {
   local missing=()
@@ -59,11 +67,13 @@ show_failures() {
 }
 
 # ctest over a build directory's whole suite (ARGS: how ctest finds it); on failure the
-# failed tests' output, then exit 1.
+# failed tests' output, then exit 1. Two tests per core: most of the suite waits (for peers,
+# timers, deadlines) rather than computes, so one per core leaves the machine half idle;
+# the costliest tests start first (COST, then the timings of the last run).
 suite() {
   local dir=$1
   shift
-  if ! ctest "$@" -j "$(nproc)"; then
+  if ! ctest "$@" -j "$((2 * $(nproc)))"; then
     show_failures "$dir"
     exit 1
   fi
@@ -115,7 +125,8 @@ cmd=${1:-}
 case "$cmd" in
   demo)
     install_missing
-    build release
+    cmake --preset release >/dev/null
+    cmake --build --preset release --target netio3-demo
     ./build/release/examples/netio3-demo "${@:2}"
     ;;
   test)
@@ -126,11 +137,13 @@ case "$cmd" in
     ;;
   plain)
     cxx=${2:?usage: tools/run.sh plain CXX}
+    # clang (and its libFuzzer runtime: the fuzz test is built where clang is installed).
+    PACKAGES+=(clang libclang-rt-14-dev)
     install_missing
     dir=build/plain-$(basename "$cxx")
     cmake -S . -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_COMPILER="$cxx" \
       -DNETIO3_WERROR=ON >/dev/null
-    cmake --build "$dir"
+    cmake --build "$dir" --target all netio3_benchmarks
     suite "$dir" --test-dir "$dir"
     ;;
   lint)
