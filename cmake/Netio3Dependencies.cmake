@@ -46,3 +46,33 @@ foreach(backend ASYNCMSG LIBFABRIC UCX)
   endif()
 endforeach()
 message(STATUS "netio3 backends: ${NETIO3_BACKENDS}")
+
+# Python (the netio3 package, python/): Debian's interpreter and pybind11 (apt-get install
+# python3-dev pybind11-dev). /usr/bin/python3 unless Python_EXECUTABLE says otherwise: the
+# `python3` first on PATH may be another interpreter that lacks them. Not in sanitizer builds
+# (the interpreter would need the sanitizer's runtime preloaded) nor static ones.
+if(NOT DEFINED Python_EXECUTABLE AND EXISTS /usr/bin/python3)
+  set(Python_EXECUTABLE /usr/bin/python3 CACHE FILEPATH "The Python of the netio3 package")
+endif()
+set(NETIO3_PYTHON_FOUND OFF)
+find_package(Python 3.8 QUIET COMPONENTS Interpreter Development.Module)
+if(Python_FOUND)
+  set(PYBIND11_FINDPYTHON ON)
+  find_package(pybind11 2.6 CONFIG QUIET)
+  if(pybind11_FOUND)
+    set(NETIO3_PYTHON_FOUND ON)
+  endif()
+endif()
+set(netio3_python_default OFF)
+if(NETIO3_PYTHON_FOUND AND NETIO3_SANITIZER STREQUAL "" AND BUILD_SHARED_LIBS)
+  set(netio3_python_default ON)
+endif()
+option(NETIO3_WITH_PYTHON "The Python package (pybind11, python/)" ${netio3_python_default})
+if(NETIO3_WITH_PYTHON AND NOT NETIO3_PYTHON_FOUND)
+  message(FATAL_ERROR "NETIO3_WITH_PYTHON=ON needs Python 3 with its headers and pybind11 "
+                      "(apt-get install python3-dev pybind11-dev)")
+endif()
+if(NETIO3_WITH_PYTHON)
+  message(STATUS "netio3 Python package: ${Python_EXECUTABLE} (${Python_VERSION}), pybind11 "
+                 "${pybind11_VERSION}")
+endif()

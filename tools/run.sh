@@ -27,9 +27,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # What the build needs (bench/compare reads this list too). The test libraries are small
-# and the release preset's configuration needs them, so the demo installs them as well.
+# and the release preset's configuration needs them, so the demo installs them as well; so
+# too Python's headers and pybind11, without which the configuration would leave the
+# Python package out for good (a cached choice).
 PACKAGES=(cmake ninja-build g++ pkg-config libboost-dev libfmt-dev libgtest-dev libgmock-dev
-          libbenchmark-dev libfabric-dev libucx-dev)
+          libbenchmark-dev libfabric-dev libucx-dev python3-dev pybind11-dev)
+# What the Python package's tests need besides (tools/run.sh test).
+PYTHON_TEST_PACKAGES=(python3-pytest python3-pytest-asyncio python3-pytest-timeout python3-numpy)
 
 install_missing() {
   local missing=()
@@ -110,6 +114,22 @@ fresh_debian() {
     for backend in $(netio3-perf --list-backends); do
       netio3-perf --loopback --backend "$backend" --duration 1 --size 4k
     done
+    if ls python3-netio3_*.deb >/dev/null 2>&1; then
+      python3 -c "
+import asyncio, netio3
+async def main():
+    async def echo(conn):
+        await conn.send(await conn.recv())
+    for backend in netio3.available():
+        listener = await netio3.listen((\"127.0.0.1\", 0), echo, backend=backend)
+        client = await netio3.connect(listener.address, backend=backend)
+        await client.send(b\"round trip\")
+        assert await client.recv() == b\"round trip\"
+        await client.close()
+        await listener.close()
+        print(f\"python3-netio3: an asyncio round trip on {backend.name.lower()}\")
+asyncio.run(main())"
+    fi
     apt install --no-install-recommends g++ pkg-config cmake make >/dev/null
     g++ -std=c++20 -o consumer-pc consumer/main.cpp $(pkg-config --cflags --libs netio3)
     ./consumer-pc
@@ -131,6 +151,7 @@ case "$cmd" in
     ;;
   test)
     preset=${2:-release}
+    PACKAGES+=("${PYTHON_TEST_PACKAGES[@]}")
     install_missing
     build "$preset"
     suite "build/$preset" --preset "$preset"
@@ -138,7 +159,7 @@ case "$cmd" in
   plain)
     cxx=${2:?usage: tools/run.sh plain CXX}
     # clang (and its libFuzzer runtime: the fuzz test is built where clang is installed).
-    PACKAGES+=(clang libclang-rt-14-dev)
+    PACKAGES+=("${PYTHON_TEST_PACKAGES[@]}" clang libclang-rt-14-dev)
     install_missing
     dir=build/plain-$(basename "$cxx")
     cmake -S . -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_COMPILER="$cxx" \

@@ -229,6 +229,31 @@ class NETIO3_API EpollEventLoop final : public BaseEventLoop {
   [[nodiscard]] std::uint64_t wakeups() const noexcept override;
   [[nodiscard]] bool polling() const noexcept override;
 
+  // ---- embedding: driven by another event loop instead of run() ----------------------
+  // For a host loop that owns the thread (Python's asyncio, libuv, Qt...): attach() makes
+  // the calling thread the loop thread (is_running() and in_loop_thread() are true there)
+  // until detach(). The host watches fd() for reading and calls run_once() when it is
+  // readable, and also after a call into a backend of this loop that it made on that
+  // thread outside run_once() (such a call may leave work for the loop: a send to flush, a
+  // completion to report). Other threads use the loop as they would with run(): post(),
+  // run_sync() and the backends' calls wake the host through fd(). Busy polling does not
+  // apply; stop() has no effect while attached.
+
+  /// Makes the calling thread the loop thread. Throws std::logic_error if the loop is
+  /// running or attached already.
+  void attach();
+  /// The descriptor that is readable when run_once() has something to do (the loop's epoll
+  /// instance: its own descriptors, timers, signals, posted functions).
+  [[nodiscard]] int fd() const noexcept;
+  /// One round on the attached thread, without blocking: dispatches what is ready, then
+  /// runs the prepare hooks (the transports arm their wake-ups). Returns true when the loop
+  /// may sleep until fd() is readable, false when it has more to do now (call it again
+  /// soon). Throws std::logic_error when not called on the attached thread.
+  bool run_once();
+  /// Ends attach() on the attached thread: runs what was posted and releases the thread,
+  /// as the end of run() does. Throws std::logic_error on another thread.
+  void detach();
+
   class NETIO3_LOCAL Impl;
 
  private:

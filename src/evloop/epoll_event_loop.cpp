@@ -29,6 +29,7 @@
 #include <utility>
 #include <vector>
 
+#include <fmt/format.h>
 #include <netio3/event_loop.hpp>
 
 #include "common/log.hpp"
@@ -123,13 +124,7 @@ class EpollEventLoop::Impl : public std::enable_shared_from_this<Impl> {
   }
 
   void run() {
-    if (m_running.exchange(true)) throw std::logic_error("EpollEventLoop::run: already running");
-    m_loop_thread.store(std::this_thread::get_id());
-    {
-      // Published under the post mutex so that run_sync() sees a consistent state.
-      const std::lock_guard lock{m_post_mutex};
-      m_accepting_sync = true;
-    }
+    begin("run");
     std::array<epoll_event, MAX_EVENTS> events{};
     const bool busy_poll = m_busy_poll.count() > 0;
     using Clock = std::chrono::steady_clock;
@@ -166,6 +161,56 @@ class EpollEventLoop::Impl : public std::enable_shared_from_this<Impl> {
         if (m_stop.load(std::memory_order_acquire)) break;
       }
     }
+    end();
+  }
+
+  // ---- embedding (EpollEventLoop::attach) ----------------------------------------------
+
+  void attach() {
+    begin("attach");
+    m_attached = true;
+  }
+
+  [[nodiscard]] int fd() const noexcept { return m_epfd; }
+
+  bool run_once() {
+    if (!m_attached || !in_loop_thread()) {
+      throw std::logic_error("EpollEventLoop::run_once: not on the thread that called attach()");
+    }
+    std::array<epoll_event, MAX_EVENTS> events{};
+    clear_graveyard();
+    const int n = ::epoll_wait(m_epfd, events.data(), static_cast<int>(events.size()), 0);
+    if (n < 0 && errno != EINTR) {
+      NETIO3_ERROR("event loop: epoll_wait failed: {}", std::strerror(errno));
+    }
+    if (n > 0) m_wakeups.fetch_add(1, std::memory_order_relaxed);
+    for (int i = 0; i < n; ++i) dispatch(events.at(static_cast<std::size_t>(i)));
+    // The hooks last: the transports are armed when the host loop goes to sleep.
+    const HookRound hooks = run_prepare_hooks();
+    clear_graveyard();
+    return hooks.may_sleep;
+  }
+
+  void detach() {
+    if (!m_attached || !in_loop_thread()) {
+      throw std::logic_error("EpollEventLoop::detach: not on the thread that called attach()");
+    }
+    m_attached = false;
+    end();
+  }
+
+ private:
+  void begin(const char* who) {
+    if (m_running.exchange(true)) {
+      throw std::logic_error(fmt::format("EpollEventLoop::{}: already running", who));
+    }
+    m_loop_thread.store(std::this_thread::get_id());
+    // Published under the post mutex so that run_sync() sees a consistent state.
+    const std::lock_guard lock{m_post_mutex};
+    m_accepting_sync = true;
+  }
+
+  void end() {
     m_stop.store(false, std::memory_order_release);
     // Run what was posted before we stopped; run_sync callers waiting on it are released.
     for (;;) {
@@ -188,6 +233,7 @@ class EpollEventLoop::Impl : public std::enable_shared_from_this<Impl> {
     m_running.store(false);
   }
 
+ public:
   void stop() noexcept {
     m_stop.store(true, std::memory_order_release);
     wake();
@@ -408,6 +454,7 @@ class EpollEventLoop::Impl : public std::enable_shared_from_this<Impl> {
   const std::chrono::steady_clock::duration m_busy_poll;
   const std::chrono::steady_clock::duration m_fd_interval;
   std::atomic<bool> m_polling{false};  // written and read on the loop thread
+  bool m_attached{false};              // attach() .. detach(); loop thread only
 
   std::mutex m_post_mutex;
   std::vector<std::function<void()>> m_posted;
@@ -597,6 +644,19 @@ bool EpollEventLoop::polling() const noexcept {
 
 std::uint64_t EpollEventLoop::wakeups() const noexcept {
   return m_impl->wakeups();
+}
+
+void EpollEventLoop::attach() {
+  m_impl->attach();
+}
+int EpollEventLoop::fd() const noexcept {
+  return m_impl->fd();
+}
+bool EpollEventLoop::run_once() {
+  return m_impl->run_once();
+}
+void EpollEventLoop::detach() {
+  m_impl->detach();
 }
 
 FdHandle EpollEventLoop::add_fd(int fd, std::uint32_t events, FdCallback callback) {

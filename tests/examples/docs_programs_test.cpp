@@ -1,20 +1,23 @@
-// The programs shown in README.md and docs/guide.md are the files in examples/ that
-// examples_test.cpp runs on every backend: every code block tagged
+// The programs shown in README.md, docs/guide.md and docs/python.md are the files in
+// examples/ (and python/examples/) that the tests run on every backend: every code block
+// tagged
 //
 //   <!-- example: examples/FILE.cpp [NAME] -->      the lines between the two "// [NAME]"
 //   ```cpp                                          lines of FILE (dedented, marker lines
-//   ...                                             of nested excerpts left out)
-//   ```
+//   ...                                             of nested excerpts left out); in Python
+//   ```                                             files the markers are "# [NAME]" and the
+//                                                   block is ```python
 //
 // or "<!-- example: examples/FILE.cpp -->" (the whole file) must be exactly that text.
 
 #include <algorithm>
 #include <fstream>
 #include <optional>
-#include <regex>
 #include <set>
 #include <sstream>
 #include <string>
+#include <string_view>
+#include <utility>
 #include <vector>
 
 #include <fmt/format.h>
@@ -36,13 +39,47 @@ std::string trim(const std::string& s) {
   return s.substr(b, s.find_last_not_of(" \t") - b + 1);
 }
 
-// "// [name]" on a line of its own.
+// A name of lower-case letters and underscores.
+bool is_name(std::string_view s) {
+  return !s.empty() &&
+         std::all_of(s.begin(), s.end(), [](char c) { return (c >= 'a' && c <= 'z') || c == '_'; });
+}
+
+// "// [name]" (or "# [name]") on a line of its own. (No std::regex: GCC 12 warns
+// -Wmaybe-uninitialized inside it under ASan.)
 std::optional<std::string> marker_name(const std::string& line) {
-  static const std::regex MARKER{R"(^// \[([a-z_]+)\]$)"};
-  std::smatch m;
-  const std::string t = trim(line);
-  if (!std::regex_match(t, m, MARKER)) return std::nullopt;
-  return m[1].str();
+  const std::string trimmed = trim(line);
+  std::string_view t = trimmed;
+  if (t.starts_with("// ")) {
+    t.remove_prefix(3);
+  } else if (t.starts_with("# ")) {
+    t.remove_prefix(2);
+  } else {
+    return std::nullopt;
+  }
+  if (t.size() < 3 || t.front() != '[' || t.back() != ']') return std::nullopt;
+  t = t.substr(1, t.size() - 2);
+  if (!is_name(t)) return std::nullopt;
+  return std::string{t};
+}
+
+// "<!-- example: PATH [NAME] -->" or "<!-- example: PATH -->": the path and the name
+// (empty for the whole file).
+std::optional<std::pair<std::string, std::string>> example_tag(std::string_view line) {
+  constexpr std::string_view OPEN = "<!-- example: ";
+  constexpr std::string_view CLOSE = " -->";
+  if (!line.starts_with(OPEN) || !line.ends_with(CLOSE)) return std::nullopt;
+  line = line.substr(OPEN.size(), line.size() - OPEN.size() - CLOSE.size());
+  const auto space = line.find(' ');
+  if (space == std::string_view::npos) {
+    if (line.empty()) return std::nullopt;
+    return std::pair{std::string{line}, std::string{}};
+  }
+  std::string_view name = line.substr(space + 1);
+  if (name.size() < 3 || name.front() != '[' || name.back() != ']') return std::nullopt;
+  name = name.substr(1, name.size() - 2);
+  if (!is_name(name)) return std::nullopt;
+  return std::pair{std::string{line.substr(0, space)}, std::string{name}};
 }
 
 // The excerpt NAME of `lines` (see the top of this file); nullopt unless the marker is there
@@ -75,15 +112,16 @@ struct Block {
 };
 
 std::vector<Block> tagged_blocks(const std::string& doc) {
-  static const std::regex TAG{R"(^<!-- example: (\S+)(?: \[([a-z_]+)\])? -->$)"};
   const auto lines = read_lines(std::string{NETIO3_SOURCE_DIR} + "/" + doc);
   std::vector<Block> blocks;
   for (std::size_t i = 0; i < lines.size(); ++i) {
-    std::smatch m;
-    if (!std::regex_match(lines[i], m, TAG)) continue;
-    Block b{doc, i + 1, m[1].str(), m[2].str(), {}};
-    if (i + 1 >= lines.size() || lines[i + 1] != "```cpp") {
-      ADD_FAILURE() << doc << ":" << i + 1 << ": the tag is not followed by a ```cpp block";
+    const auto tag = example_tag(lines[i]);
+    if (!tag) continue;
+    Block b{doc, i + 1, tag->first, tag->second, {}};
+    const std::string fence = b.file.ends_with(".py") ? "```python" : "```cpp";
+    if (i + 1 >= lines.size() || lines[i + 1] != fence) {
+      ADD_FAILURE() << doc << ":" << i + 1 << ": the tag is not followed by a " << fence
+                    << " block";
       continue;
     }
     std::size_t j = i + 2;
@@ -96,7 +134,7 @@ std::vector<Block> tagged_blocks(const std::string& doc) {
 }
 
 const std::vector<std::string>& documents() {
-  static const std::vector<std::string> DOCS{"README.md", "docs/guide.md"};
+  static const std::vector<std::string> DOCS{"README.md", "docs/guide.md", "docs/python.md"};
   return DOCS;
 }
 
@@ -128,9 +166,11 @@ TEST(Docs, EveryGuideProgramAppearsInTheDocs) {
   for (const auto& doc : documents()) {
     for (const auto& block : tagged_blocks(doc)) shown.insert(block.file);
   }
-  for (const char* file : {"examples/readme.cpp", "examples/guide_receiver.cpp",
-                           "examples/guide_sender.cpp", "examples/guide_threads.cpp",
-                           "examples/guide_shared_buffers.cpp", "examples/guide_errors.cpp"}) {
+  for (const char* file :
+       {"examples/readme.cpp", "examples/guide_receiver.cpp", "examples/guide_sender.cpp",
+        "examples/guide_threads.cpp", "examples/guide_shared_buffers.cpp",
+        "examples/guide_errors.cpp", "python/examples/echo.py", "python/examples/callbacks.py",
+        "python/examples/loop_thread.py", "python/examples/stream.py"}) {
     EXPECT_TRUE(shown.contains(file)) << file << " is in no document";
   }
 }

@@ -168,15 +168,22 @@ void Backend::shutdown() noexcept {
     drop_control(*conn);
   }
   if (m_lingering) m_lingering->close_all();
-  // Every endpoint is closed, gracefully where nothing went wrong (a forced close can lose
-  // what UCX reported sent), without callbacks.
+  // Every endpoint is closed, gracefully where a connection still used it (a forced close
+  // can lose what UCX reported sent), without callbacks. One that no connection uses any
+  // more holds nothing in flight (the closes of its connections flushed it): it is closed at
+  // once, as it would be by the end of the process. Gracefully it would wait for its peer
+  // worker to answer, which a peer in this same process - another backend on this loop,
+  // which nothing progresses while this one shuts down - never does before close_timeout.
   std::vector<void*> closing;
   for (const auto& [id, endpoint] : m_endpoints) {
     if (endpoint->closing || endpoint->handle == nullptr) continue;
     endpoint->closing = true;
+    const bool idle =
+        std::none_of(endpoint->users.begin(), endpoint->users.end(),
+                     [](const std::weak_ptr<Connection>& user) { return !user.expired(); });
     ucp_request_param_t param{};
     param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-    param.flags = endpoint->failed ? static_cast<unsigned>(UCP_EP_CLOSE_FLAG_FORCE) : 0U;
+    param.flags = endpoint->failed || idle ? static_cast<unsigned>(UCP_EP_CLOSE_FLAG_FORCE) : 0U;
     void* const request = ucp_ep_close_nbx(endpoint->handle, &param);
     if (request != nullptr && !UCS_PTR_IS_ERR(request)) closing.push_back(request);
   }

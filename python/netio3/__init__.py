@@ -1,0 +1,133 @@
+"""netio3 for Python: DAQ data between processes and hosts over asyncmsg (TCP), libfabric
+and UCX, from the same backends as the C++ library.
+
+Two layers (docs/python.md):
+
+* the C++ API one to one: EpollEventLoop, create(), NetworkConfig with Python callables,
+  NetworkBackend (listen, connect, send_data zero-copy from any buffer-protocol object,
+  send_data_copy, get_buffer/send_buffer, statistics), every C++ exception as a Python
+  exception of the same name under NetioException;
+* an asyncio layer (netio3.aio, re-exported here): ``await listen(...)``,
+  ``await connect(...)``, ``await conn.send(...)`` resolving when the send completed,
+  ``async for`` over messages and connections, back-pressure without retry loops.
+"""
+
+import os as _os
+
+# libfabric links libpsm_infinipath (Debian's libfabric1), whose constructor takes over SIGINT
+# and other signals when the library is loaded, unless these are set: Ctrl-C would then end
+# the interpreter with status 1 and no KeyboardInterrupt. Open MPI sets them the same way.
+_os.environ.setdefault("IPATH_NO_BACKTRACE", "1")
+_os.environ.setdefault("HFI_NO_BACKTRACE", "1")
+
+from ._netio3 import (  # noqa: E402 (after the environment above)
+    MAX_HEADER_SIZE,
+    ActiveEndpointAlreadyExists,
+    BackendStatistics,
+    BackendType,
+    BufferOverflow,
+    ConnectionParameters,
+    ConnectionStatistics,
+    EndPointAddress,
+    EndpointCapabilities,
+    EpollEventLoop,
+    EventSignal,
+    EventTimer,
+    FailedCloseActiveEndpoint,
+    FailedCloseListenEndpoint,
+    FailedOpenActiveEndpoint,
+    FailedOpenListenEndpoint,
+    InvalidConfiguration,
+    InvalidConnectionParameters,
+    InvalidEndpointAddress,
+    ListenEndpointAlreadyExists,
+    NetioException,
+    NetioStatus,
+    NetworkBackend,
+    NetworkBuffer,
+    NetworkConfig,
+    NetworkLimits,
+    NetworkMode,
+    NoBuffersAllocated,
+    NotSupported,
+    Receive,
+    RecvParameters,
+    RefusalCause,
+    RefusalReason,
+    SendBufferedParameters,
+    SendZeroCopyParameters,
+    SharedReceiveBuffers,
+    SharedSendBuffers,
+    ThreadSafetyModel,
+    UnknownActiveEndpoint,
+    UnknownListenEndpoint,
+    __version__,
+    available,
+    create,
+    version,
+)
+from .aio import (
+    Connection,
+    ConnectionClosed,
+    ConnectionRefused,
+    Context,
+    Listener,
+    SendFailed,
+    connect,
+    listen,
+)
+
+__all__ = [
+    "MAX_HEADER_SIZE",
+    "ActiveEndpointAlreadyExists",
+    "BackendStatistics",
+    "BackendType",
+    "BufferOverflow",
+    "Connection",
+    "ConnectionClosed",
+    "ConnectionParameters",
+    "ConnectionRefused",
+    "ConnectionStatistics",
+    "Context",
+    "EndPointAddress",
+    "EndpointCapabilities",
+    "EpollEventLoop",
+    "EventSignal",
+    "EventTimer",
+    "FailedCloseActiveEndpoint",
+    "FailedCloseListenEndpoint",
+    "FailedOpenActiveEndpoint",
+    "FailedOpenListenEndpoint",
+    "InvalidConfiguration",
+    "InvalidConnectionParameters",
+    "InvalidEndpointAddress",
+    "ListenEndpointAlreadyExists",
+    "Listener",
+    "NetioException",
+    "NetioStatus",
+    "NetworkBackend",
+    "NetworkBuffer",
+    "NetworkConfig",
+    "NetworkLimits",
+    "NetworkMode",
+    "NoBuffersAllocated",
+    "NotSupported",
+    "Receive",
+    "RecvParameters",
+    "RefusalCause",
+    "RefusalReason",
+    "SendBufferedParameters",
+    "SendFailed",
+    "SendZeroCopyParameters",
+    "SharedReceiveBuffers",
+    "SharedSendBuffers",
+    "ThreadSafetyModel",
+    "UnknownActiveEndpoint",
+    "UnknownListenEndpoint",
+    "__version__",
+    "available",
+    "connect",
+    "create",
+    "listen",
+    "version",
+]

@@ -1,0 +1,138 @@
+// netio3._netio3: the C++ API for Python, one to one (docs/python.md, layer 1). The asyncio
+// layer (netio3.aio) is written in Python over it.
+
+#include <pybind11/chrono.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <netio3/netio3.hpp>
+#include <netio3/version.hpp>
+
+#include "backend.hpp"
+#include "loop.hpp"
+#include "support.hpp"
+
+namespace netio3::python {
+namespace {
+
+void bind_types(py::module_& m) {
+  py::enum_<BackendType>(m, "BackendType", "The transport of a backend.")
+      .value("ASYNCMSG", BackendType::ASYNCMSG)
+      .value("LIBFABRIC", BackendType::LIBFABRIC)
+      .value("UCX", BackendType::UCX);
+  py::enum_<NetworkMode>(m, "NetworkMode", "RDMA or TCP network.")
+      .value("RDMA", NetworkMode::RDMA)
+      .value("TCP", NetworkMode::TCP);
+  py::enum_<ThreadSafetyModel>(m, "ThreadSafetyModel", "Who may call a backend.")
+      .value("SAFE", ThreadSafetyModel::SAFE)
+      .value("UNSAFE", ThreadSafetyModel::UNSAFE);
+  py::enum_<NetioStatus>(m, "NetioStatus", "The result of a send.")
+      .value("OK", NetioStatus::OK)
+      .value("NO_RESOURCES", NetioStatus::NO_RESOURCES)
+      .value("FAILED", NetioStatus::FAILED);
+  py::enum_<RefusalCause>(m, "RefusalCause", "Why a connection could not be set up.")
+      .value("UNREACHABLE", RefusalCause::UNREACHABLE)
+      .value("TIMED_OUT", RefusalCause::TIMED_OUT)
+      .value("REJECTED", RefusalCause::REJECTED)
+      .value("SETUP_FAILED", RefusalCause::SETUP_FAILED);
+  py::enum_<Receive>(m, "Receive", "How received data reaches on_data_cb.")
+      .value("BYTES", Receive::BYTES, "a bytes copy")
+      .value("MEMORYVIEW", Receive::MEMORYVIEW,
+             "a read-only memoryview, valid during the callback only");
+
+  py::class_<EndpointCapabilities>(m, "EndpointCapabilities",
+                                   "What a connection can do, as seen from the local side.")
+      .def(py::init<>())
+      .def_readwrite("send_buffered", &EndpointCapabilities::send_buffered)
+      .def_readwrite("send_copy", &EndpointCapabilities::send_copy)
+      .def_readwrite("send_zero_copy", &EndpointCapabilities::send_zero_copy)
+      .def_readwrite("receive", &EndpointCapabilities::receive)
+      .def("__eq__",
+           [](const EndpointCapabilities& a, const EndpointCapabilities& b) { return a == b; })
+      .def("__repr__", [](const EndpointCapabilities& c) {
+        return "EndpointCapabilities(send_buffered=" +
+               std::string{c.send_buffered ? "True" : "False"} +
+               ", send_copy=" + (c.send_copy ? "True" : "False") +
+               ", send_zero_copy=" + (c.send_zero_copy ? "True" : "False") +
+               ", receive=" + (c.receive ? "True" : "False") + ")";
+      });
+  py::class_<RefusalReason>(m, "RefusalReason", "Why a connection was refused.")
+      .def_readonly("cause", &RefusalReason::cause)
+      .def_readonly("message", &RefusalReason::message)
+      .def("__repr__", [](const RefusalReason& r) {
+        return "RefusalReason(" + std::string{to_string(r.cause)} + ": " + r.message + ")";
+      });
+
+  py::class_<ConnectionStatistics>(m, "ConnectionStatistics",
+                                   "A snapshot of one connection's counters.")
+      .def_property_readonly("remote",
+                             [](const ConnectionStatistics& s) { return to_python(s.remote); })
+      .def_readonly("open", &ConnectionStatistics::open)
+      .def_readonly("age", &ConnectionStatistics::age)
+      .def_readonly("sends_accepted", &ConnectionStatistics::sends_accepted)
+      .def_readonly("sends_completed", &ConnectionStatistics::sends_completed)
+      .def_readonly("sends_cancelled", &ConnectionStatistics::sends_cancelled)
+      .def_readonly("sends_no_resources", &ConnectionStatistics::sends_no_resources)
+      .def_readonly("sends_failed", &ConnectionStatistics::sends_failed)
+      .def_readonly("bytes_sent", &ConnectionStatistics::bytes_sent)
+      .def_readonly("keys_in_flight", &ConnectionStatistics::keys_in_flight)
+      .def_readonly("bytes_queued", &ConnectionStatistics::bytes_queued)
+      .def_readonly("send_buffers_high_water", &ConnectionStatistics::send_buffers_high_water)
+      .def_readonly("messages_received", &ConnectionStatistics::messages_received)
+      .def_readonly("bytes_received", &ConnectionStatistics::bytes_received);
+  py::class_<BackendStatistics>(m, "BackendStatistics", "A snapshot of a backend's counters.")
+      .def_readonly("connections_open", &BackendStatistics::connections_open)
+      .def_readonly("connections_set_up", &BackendStatistics::connections_set_up)
+      .def_readonly("connections_closed", &BackendStatistics::connections_closed)
+      .def_readonly("sends_accepted", &BackendStatistics::sends_accepted)
+      .def_readonly("sends_completed", &BackendStatistics::sends_completed)
+      .def_readonly("sends_cancelled", &BackendStatistics::sends_cancelled)
+      .def_readonly("sends_no_resources", &BackendStatistics::sends_no_resources)
+      .def_readonly("sends_failed", &BackendStatistics::sends_failed)
+      .def_readonly("bytes_sent", &BackendStatistics::bytes_sent)
+      .def_readonly("keys_in_flight", &BackendStatistics::keys_in_flight)
+      .def_readonly("bytes_queued", &BackendStatistics::bytes_queued)
+      .def_readonly("messages_received", &BackendStatistics::messages_received)
+      .def_readonly("bytes_received", &BackendStatistics::bytes_received);
+}
+
+// Every C++ exception as a Python class of the same name under NetioException (a
+// RuntimeError, as the C++ one is a std::runtime_error).
+void bind_exceptions(py::module_& m) {
+  const auto base = py::register_exception<NetioException>(m, "NetioException", PyExc_RuntimeError);
+  py::register_exception<InvalidEndpointAddress>(m, "InvalidEndpointAddress", base);
+  py::register_exception<ListenEndpointAlreadyExists>(m, "ListenEndpointAlreadyExists", base);
+  py::register_exception<FailedOpenListenEndpoint>(m, "FailedOpenListenEndpoint", base);
+  py::register_exception<InvalidConnectionParameters>(m, "InvalidConnectionParameters", base);
+  py::register_exception<ActiveEndpointAlreadyExists>(m, "ActiveEndpointAlreadyExists", base);
+  py::register_exception<FailedOpenActiveEndpoint>(m, "FailedOpenActiveEndpoint", base);
+  py::register_exception<UnknownActiveEndpoint>(m, "UnknownActiveEndpoint", base);
+  py::register_exception<UnknownListenEndpoint>(m, "UnknownListenEndpoint", base);
+  py::register_exception<NoBuffersAllocated>(m, "NoBuffersAllocated", base);
+  py::register_exception<NotSupported>(m, "NotSupported", base);
+  py::register_exception<FailedCloseActiveEndpoint>(m, "FailedCloseActiveEndpoint", base);
+  py::register_exception<FailedCloseListenEndpoint>(m, "FailedCloseListenEndpoint", base);
+  py::register_exception<BufferOverflow>(m, "BufferOverflow", base);
+  py::register_exception<InvalidConfiguration>(m, "InvalidConfiguration", base);
+}
+
+}  // namespace
+}  // namespace netio3::python
+
+PYBIND11_MODULE(_netio3, m) {
+  using namespace netio3::python;
+  m.doc() = "netio3's C++ API for Python (layer 1); see netio3.aio for the asyncio layer.";
+  m.attr("EndPointAddress") = address_type();
+  m.attr("MAX_HEADER_SIZE") = netio3::MAX_HEADER_SIZE;
+  m.attr("__version__") = NETIO3_VERSION_STRING;
+  m.def(
+      "version", [] { return std::string{netio3::version_string()}; },
+      "The library's version at run time.");
+  m.def(
+      "available", [] { return netio3::Netio3Backend::available(); },
+      "The backends compiled into this build.");
+  bind_exceptions(m);
+  bind_types(m);
+  bind_loop(m);
+  bind_backend(m);
+}
