@@ -42,12 +42,18 @@ MAX_SIZE = 1048576 + 64  # netio3-perf --max-size: the largest message plus room
 COPY_BACKENDS = {"asyncmsg", "ucx"}  # send_data_copy is supported there
 SOCKPERF_MAX = 1048575  # sockperf's largest -m
 GROUPS = ["netio3", "iperf3", "sockperf", "ucx_perftest", "raw-fabric", "zmq", "same-host",
-          "fan-in"]
+          "fan-in", "python"]
 # The order of one round: (group, netio3 backend or None). Each netio3 backend sits next to
 # its references; every other round runs this list backwards.
 ROUND_ORDER = [("netio3", "asyncmsg"), ("iperf3", None), ("sockperf", None), ("zmq", None),
                ("netio3", "ucx"), ("ucx_perftest", None), ("netio3", "libfabric"),
-               ("raw-fabric", None), ("same-host", "ucx-rdma"), ("same-host", None)]
+               ("raw-fabric", None), ("same-host", "ucx-rdma"), ("same-host", None),
+               ("python", None)]
+# The Python section: the netio3 package (python3 -m netio3.perf, asyncio layer and callback
+# layer) next to netio3-perf (C++) and pyzmq's asyncio PUSH/PULL, all three with both ends in
+# one process (netio3-perf --loopback), asyncmsg, the default window. Debian's interpreter: the
+# package is built for it.
+PYTHON = "/usr/bin/python3" if Path("/usr/bin/python3").exists() else sys.executable
 # The same-host section: two processes of one host, UCX in NetworkMode::RDMA (shared memory)
 # against ucp_am_bw over UCX's shared-memory transports, both sleeping in the kernel between
 # events (netio3 does not busy-poll here; ucx_perftest runs with -E sleep).
@@ -749,6 +755,54 @@ class Runner:
 
     # -- all --
 
+    def python_section(self):
+        """The Python package, throughput, asyncmsg, the default windows:
+        - as a client of netio3-perf --server (C++), zero-copy, next to netio3-perf's own
+          client against the same server: the senders compared;
+        - both ends in one process on one asyncio loop, next to pyzmq's asyncio PUSH/PULL
+          built the same way (bench/python/zmq_asyncio.py)."""
+        perf = self.bins["netio3-perf"]
+        env = self.env(PYTHONPATH=self.build / "python")
+        d = self.args.duration
+        server = None
+        for size in self.sizes:
+            try:
+                server = self.live_server(
+                    server, "python-server",
+                    [perf, "--server", "--backend", "asyncmsg", "--mode", "tcp", "--bind", HOST,
+                     "--max-size", MAX_SIZE], env)
+                address = server.address
+            except RunError as e:
+                address = None
+                for label in ("python asyncmsg zero-copy client", "netio3-perf asyncmsg zero-copy"):
+                    self.add(failed(label, "python", "throughput", size, str(e)))
+            runs = []
+            if address is not None:
+                runs += [
+                    ("python asyncmsg zero-copy client", "py-client",
+                     [PYTHON, "-m", "netio3.perf", "--client", address, "--send", "zero-copy",
+                      "--size", size, "--duration", d]),
+                    ("netio3-perf asyncmsg zero-copy", "cxx-client",
+                     [perf, "--client", address, "--backend", "asyncmsg", "--send", "zero-copy",
+                      "--size", size, "--duration", d]),
+                ]
+            runs += [
+                ("python asyncmsg aio loopback", "py-aio",
+                 [PYTHON, "-m", "netio3.perf", "--backend", "asyncmsg", "--size", size,
+                  "--duration", d]),
+                ("pyzmq asyncio push-pull", "pyzmq",
+                 [PYTHON, ROOT / "bench/python/zmq_asyncio.py", "--size", size,
+                  "--duration", d]),
+            ]
+            for label, name, argv in runs:
+                try:
+                    self.add(self.json_client(label, "python", f"{name}-{size}", argv, env,
+                                              "throughput", size))
+                except RunError as e:
+                    self.add(failed(label, "python", "throughput", size, str(e)))
+        if server is not None:
+            server.stop()
+
     def units(self):
         """One round's steps, (name, function), in ROUND_ORDER, those --only picks."""
         steps = {
@@ -760,6 +814,7 @@ class Runner:
                                             "latency": "raw-libfabric"}),
             "zmq": lambda: self.raw("zmq", "raw-zmq", ["--bind", HOST],
                                     {"throughput": "zmq push-pull", "latency": "zmq req-rep"}),
+            "python": self.python_section,
         }
         units = []
         for group, backend in ROUND_ORDER:
@@ -909,6 +964,18 @@ def ratio_rows(summaries, sizes, latency_sizes, rounds):
         specs.append(("ucx-rdma zero-copy / asyncmsg zero-copy bandwidth", size,
                       "ucx-rdma zero-copy", "throughput", "asyncmsg zero-copy", "throughput", "bw",
                       (">=", 2.5) if size == 1048576 else None))
+
+    # Python: the package's sender against netio3-perf's (both clients of one C++ server), and
+    # the package against pyzmq's asyncio PUSH/PULL (both ends in one process each).
+    for size in sizes:
+        specs.append(("python zero-copy client / netio3-perf client bandwidth", size,
+                      "python asyncmsg zero-copy client", "throughput",
+                      "netio3-perf asyncmsg zero-copy", "throughput", "bw",
+                      (">=", 0.8) if size == 1048576 else None))
+    for size in sizes:
+        specs.append(("python aio loopback / pyzmq asyncio push-pull msg rate", size,
+                      "python asyncmsg aio loopback", "throughput", "pyzmq asyncio push-pull",
+                      "throughput", "rate", (">=", 1.0) if size == 64 else None))
 
     def passes(ratio, target):
         op, t = target

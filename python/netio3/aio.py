@@ -106,10 +106,12 @@ def _network_mode(mode: Union[str, _n.NetworkMode]) -> _n.NetworkMode:
         raise _n.InvalidConfiguration(f"unknown network mode {mode!r} (tcp, rdma)") from None
 
 
-def _silence(future: asyncio.Future) -> None:
-    # A send nobody awaits may fail with ConnectionClosed; the connection's end is reported
-    # by recv() and closed(), so asyncio need not log the future as "never retrieved".
-    if not future.cancelled():
+def _fail_quietly(future: asyncio.Future, error: BaseException) -> None:
+    """Fails a future that nobody may await (a send submitted and left, a waiter): the end
+    of its connection is reported by recv() and `closed` as well, so asyncio need not log it
+    as "never retrieved" (reading exception() once marks it retrieved)."""
+    if not future.done():
+        future.set_exception(error)
         future.exception()
 
 
@@ -438,7 +440,6 @@ class Connection:
                 status = backend.send_data_copy(self.remote, data, header, key)
         if status == _n.NetioStatus.OK:
             future = self._aloop.create_future()
-            future.add_done_callback(_silence)
             self._pending[key] = future
             return future
         if status == _n.NetioStatus.NO_RESOURCES:
@@ -553,16 +554,13 @@ class Connection:
         pending, self._pending = self._pending, {}
         for key in keys:
             future = pending.pop(key, None)
-            if future is not None and not future.done():
-                future.set_exception(ConnectionClosed(self.remote, key, keys))
+            if future is not None:
+                _fail_quietly(future, ConnectionClosed(self.remote, key, keys))
         for future in pending.values():  # not reported: cannot happen, but never hang
-            if not future.done():
-                future.set_exception(ConnectionClosed(self.remote, None, keys))
+            _fail_quietly(future, ConnectionClosed(self.remote, None, keys))
         closed = ConnectionClosed(self.remote, cancelled_keys=keys)
         for waiter in self._ready_waiters:
-            if not waiter.done():
-                waiter.set_exception(closed)
-                waiter.add_done_callback(_silence)
+            _fail_quietly(waiter, closed)
         self._ready_waiters.clear()
         if self._recv_waiter is not None and not self._recv_waiter.done():
             self._recv_waiter.set_exception(closed)
@@ -647,9 +645,8 @@ class Listener:
             task.cancel()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_exception(ConnectionClosed(self.address))
-            self._waiter.add_done_callback(_silence)
+        if self._waiter is not None:
+            _fail_quietly(self._waiter, ConnectionClosed(self.address))
         self._owner.close()
 
     async def __aenter__(self) -> "Listener":

@@ -6,6 +6,14 @@ callback layer (``--api callbacks``: the C++ API one to one, the loop run by run
 
     python3 -m netio3.perf --backend asyncmsg --size 64,1m --duration 3
     python3 -m netio3.perf --test latency --size 64
+    python3 -m netio3.perf --client 127.0.0.1:PORT --size 1m     # to netio3-perf --server
+
+With --client the Python program is a netio3-perf client in a process of its own, sending to
+a `netio3-perf --server` (C++) in netio3-perf's protocol (tools/netio3-perf/protocol.hpp,
+throughput only): the same server measures a C++ client and a Python one, so the two rates
+compare the senders alone. Zero-copy sends come from a ring of --window slots of one numpy
+array, written in place (the first and last payload byte, as netio3-perf's light check
+reads them), each slot reused once its send completed.
 
 Prints one line per run (messages/s, MB/s, Gbit/s, CPU per message; round-trip percentiles
 for latency) and appends a JSON record per run to --json FILE, with the keys of
@@ -25,9 +33,12 @@ import asyncio
 import collections
 import json
 import resource
+import struct
 import sys
 import time
 from typing import Optional
+
+import numpy as np
 
 import netio3
 
@@ -157,6 +168,60 @@ async def _latency_aio(args, size: int) -> Result:
     return result
 
 
+# netio3-perf's protocol (tools/netio3-perf/protocol.hpp): a 16-byte header, host byte order.
+_MAGIC = 0x4E33
+_HELLO, _START, _DATA, _END, _REPORT = 1, 4, 5, 6, 7
+_HEADER = struct.Struct("<HHIQ")
+_START_BODY = struct.Struct("<IIII")  # test (1: throughput), size, verify (1: light), reserved
+_REPORT_BODY = struct.Struct("<QQQQ")  # bytes, errors, cpu_ns, elapsed_ns
+_PERIOD = 251  # netio3-perf's payload pattern: byte k of message seq is (seq + k) % 251
+
+
+async def _throughput_client(args, size: int) -> Result:
+    host, _, port = args.client.rpartition(":")
+    payload_size = size - _HEADER.size
+    context = netio3.Context(args.backend, args.mode, max_message_size=size)
+    conn = await context.connect((host, int(port)))
+    hello = await conn.recv()
+    magic, kind, token, _ = _HEADER.unpack_from(hello)
+    if magic != _MAGIC or kind != _HELLO:
+        raise RuntimeError("not a netio3-perf server (no HELLO)")
+    await conn.send(_HEADER.pack(_MAGIC, _START, token, 0) +
+                    _START_BODY.pack(1, size, 1, 0))
+    zero_copy = {"zero-copy": True, "copy": False}.get(args.send)
+    region = np.zeros((args.window, max(payload_size, 1)), dtype=np.uint8)
+    window: collections.deque = collections.deque()
+    result = Result()
+    seq = 0
+    start, start_cpu = time.perf_counter(), _cpu_seconds()
+    deadline = start + args.duration
+    while time.perf_counter() < deadline:
+        if len(window) == args.window:
+            await window.popleft()  # the oldest slot is free again
+        slot = region[seq % args.window, :payload_size]
+        if payload_size:
+            slot[0] = seq % _PERIOD
+            slot[-1] = (seq + payload_size - 1) % _PERIOD
+        window.append(await conn.submit(slot, _HEADER.pack(_MAGIC, _DATA, token, seq),
+                                        zero_copy=zero_copy))
+        seq += 1
+    await asyncio.gather(*window)
+    result.seconds = time.perf_counter() - start
+    result.cpu = _cpu_seconds() - start_cpu
+    await conn.send(_HEADER.pack(_MAGIC, _END, token, seq))
+    report = await conn.recv()
+    _, kind, _, received = _HEADER.unpack_from(report)
+    nbytes, errors, _, _ = _REPORT_BODY.unpack_from(report, _HEADER.size)
+    if kind != _REPORT or received != seq or errors:
+        result.intact = False
+        result.error = f"the server received {received} of {seq}, {errors} damaged"
+    result.messages = seq
+    result.bytes = seq * size
+    await conn.close()
+    await context.close()
+    return result
+
+
 def _throughput_callbacks(args, size: int) -> Result:
     """The callback layer: the loop runs on this thread (run()); the sender refills from
     on_ready_to_send_cb and completions, as netio3-perf with --threads 0."""
@@ -251,8 +316,9 @@ def _throughput_callbacks(args, size: int) -> Result:
 
 
 def _report(args, size: int, result: Result, out) -> None:
+    where = "client" if args.client else "loopback"
     what = (f"{args.backend} {args.mode} {args.send} {args.test} {size} B python-{args.api} "
-            f"window {args.window}")
+            f"{where} window {args.window}")
     per_msg = result.cpu / result.messages * 1e9 if result.messages else float("nan")
     rate = result.messages / result.seconds if result.seconds else 0.0
     byte_rate = result.bytes / result.seconds if result.seconds else 0.0
@@ -261,17 +327,18 @@ def _report(args, size: int, result: Result, out) -> None:
         line = (f"{what}: {rate:.0f} round trips/s, round trip p50 {result.percentile(0.5):.2f} "
                 f"us, p99 {result.percentile(0.99):.2f} us, cpu {per_msg:.0f} ns/msg, {state}")
     else:
+        ends = "this client" if args.client else "both ends"
         line = (f"{what}: {rate:.0f} msg/s, {byte_rate / 1e6:.1f} MB/s, "
-                f"{byte_rate * 8 / 1e9:.3f} Gbit/s, cpu {per_msg:.0f} ns/msg (both ends), {state}")
+                f"{byte_rate * 8 / 1e9:.3f} Gbit/s, cpu {per_msg:.0f} ns/msg ({ends}), {state}")
     print(line, file=out, flush=True)
     if args.json:
         record = {
             "tool": "netio3.perf", "api": args.api, "backend": args.backend, "mode": args.mode,
             "send": args.send, "test": args.test, "size": size, "connections": 1, "threads": 0,
-            "window": args.window, "loopback": True, "duration_s": result.seconds,
+            "window": args.window, "loopback": not args.client, "duration_s": result.seconds,
             "messages": result.messages, "bytes": result.bytes, "msgs_per_s": rate,
             "bytes_per_s": byte_rate, "gbit_per_s": byte_rate * 8 / 1e9,
-            "cpu_ns_per_msg": per_msg, "server_cpu_ns_per_msg": None,
+            "cpu_ns_per_msg": per_msg, "server_cpu_ns_per_msg": None, "client": args.client,
             "p50_us": result.percentile(0.5), "p99_us": result.percentile(0.99),
             "p999_us": result.percentile(0.999), "intact": result.intact, "error": result.error,
         }
@@ -291,14 +358,24 @@ def main(argv=None) -> int:
     parser.add_argument("--size", default="4k",
                         type=lambda s: [_size(x) for x in s.split(",")])
     parser.add_argument("--duration", type=float, default=5.0)
-    parser.add_argument("--window", type=int, default=64)
+    parser.add_argument("--window", type=int, default=None,
+                        help="messages in flight (default: netio3-perf's, 2 MiB / size "
+                             "within 8..1024)")
+    parser.add_argument("--client", default="",
+                        help="IP:PORT of a netio3-perf --server: be its client (throughput)")
     parser.add_argument("--json", default="")
     args = parser.parse_args(argv)
     if args.send is None:
         args.send = {"asyncmsg": "zero-copy", "ucx": "copy", "libfabric": "buffered"}[args.backend]
+    if args.client and (args.api != "aio" or args.test != "throughput"):
+        parser.error("--client: the asyncio layer's throughput only")
     status = 0
+    window = args.window
     for size in args.size:
-        if args.api == "callbacks":
+        args.window = window or max(8, min(1024, (2 << 20) // size))
+        if args.client:
+            result = asyncio.run(_throughput_client(args, size))
+        elif args.api == "callbacks":
             if args.test == "latency":
                 parser.error("--api callbacks measures throughput only")
             result = _throughput_callbacks(args, size)

@@ -530,6 +530,8 @@ TEST_P(Api, ZeroCopyWithoutARegionSendsFromAnywhereWhereNoneIsNeeded) {
   EXPECT_EQ(node->call([&] { return node->backend->send_data(*connected, anywhere, {}, 1); }),
             NetioStatus::OK);
   ASSERT_TRUE(server->rec.wait([](const Recorder& r) { return r.count(Kind::DATA) == 1; }));
+  // The payload stays untouched until its key is reported (the data may arrive first).
+  ASSERT_TRUE(node->rec.wait([](const Recorder& r) { return r.count(Kind::COMPLETED) == 1; }));
 }
 
 TEST_P(Api, BufferedAndZeroCopyOnOneEndpointAreRejectedWhereExclusive) {
