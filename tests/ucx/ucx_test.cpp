@@ -301,9 +301,8 @@ TEST(UcxAddress, OwnAddressesParseAndTruncationsAreRefused) {
     // RDMA mode leaves out UCX's shared-memory FIFO transports (a peer killed while it writes
     // into this worker's FIFO would stop it receiving from anyone: ucp.hpp) and keeps CMA.
     const auto has = [&](const char* name) {
-      return std::any_of(parsed.transports.begin(), parsed.transports.end(), [&](const auto& t) {
-        return t.name_checksum == ucs_crc16_string(name);
-      });
+      return std::any_of(parsed.transports.begin(), parsed.transports.end(),
+                         [&](const auto& t) { return t.name_checksum == ucs_crc16_string(name); });
     };
     if (mode == NetworkMode::RDMA && std::getenv("UCX_TLS") == nullptr) {
       for (const char* fifo : {"posix", "sysv", "xpmem"}) EXPECT_FALSE(has(fifo)) << fifo;
