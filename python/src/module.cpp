@@ -4,6 +4,7 @@
 #include <pybind11/chrono.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
+#include <system_error>
 
 #include <netio3/netio3.hpp>
 #include <netio3/version.hpp>
@@ -114,6 +115,24 @@ void bind_exceptions(py::module_& m) {
   py::register_exception<FailedCloseListenEndpoint>(m, "FailedCloseListenEndpoint", base);
   py::register_exception<BufferOverflow>(m, "BufferOverflow", base);
   py::register_exception<InvalidConfiguration>(m, "InvalidConfiguration", base);
+  // A system call that failed (std::system_error: eventfd, timerfd, epoll with no file
+  // descriptor left, ...) as Python's OSError with its errno, so `except OSError` and
+  // `e.errno == errno.EMFILE` work; translators registered last are tried first.
+  py::register_exception_translator([](std::exception_ptr thrown) {
+    try {
+      if (thrown) {
+        std::rethrow_exception(thrown);
+      }
+    } catch (const std::system_error& e) {
+      if (e.code().category() != std::system_category() &&
+          e.code().category() != std::generic_category()) {
+        throw;
+      }
+      const py::object error =
+          py::reinterpret_borrow<py::object>(PyExc_OSError)(e.code().value(), e.what());
+      PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(error.ptr())), error.ptr());
+    }
+  });
 }
 
 }  // namespace

@@ -3,7 +3,9 @@ callback layer (every wait has a deadline; nothing sleeps to synchronise)."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import pathlib
 import select
 import subprocess
 import sys
@@ -12,6 +14,16 @@ import time
 import netio3
 
 BACKENDS = [backend.name.lower() for backend in netio3.available()]
+EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
+PEER = str(pathlib.Path(__file__).with_name("peer.py"))
+
+
+def load_example(name: str):
+    """python/examples/NAME.py as a module (docs/python.md's programs)."""
+    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def drive(loop: netio3.EpollEventLoop, condition, timeout: float = 20.0) -> bool:

@@ -4,8 +4,6 @@ connect, exiting with endpoints open, asyncio.run twice."""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
-import pathlib
 import signal
 import socket
 import textwrap
@@ -13,17 +11,7 @@ import time
 
 import pytest
 
-import netio3
-from helpers import BACKENDS, python, read_line, stop
-
-EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
-
-
-def load_example(name: str):
-    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from helpers import BACKENDS, load_example, python, read_line, stop
 
 
 def test_ctrl_c_during_a_connect_that_never_answers_raises_within_a_second():

@@ -52,6 +52,28 @@ def test_every_cpp_exception_is_a_python_class_of_that_name_under_netio_exceptio
     assert issubclass(netio3.NetioException, RuntimeError)
 
 
+def test_a_failed_system_call_raises_oserror_with_its_errno():
+    """No file descriptor left: the loop's epoll_create1 fails (std::system_error in C++)."""
+    import errno
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    held = []
+    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 8, hard))
+    try:
+        with pytest.raises(OSError):
+            while True:
+                held.append(os.open("/dev/null", os.O_RDONLY))
+        with pytest.raises(OSError) as raised:
+            netio3.EpollEventLoop()
+        assert raised.value.errno == errno.EMFILE
+        assert not isinstance(raised.value, netio3.NetioException)
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    netio3.EpollEventLoop()  # and works again
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_exceptions_carry_the_reason(loop, backend):
     b = netio3.create(backend, netio3.NetworkConfig(), loop)

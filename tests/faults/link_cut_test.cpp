@@ -16,8 +16,8 @@
 // Every backend now sends heartbeats in its own protocol and closes a connection from which
 // nothing arrived for limits.peer_timeout (src/common/liveness.hpp). Both peers get 3 s, the
 // kernel and UCX keep their defaults, and both sides must report the close between 3 s
-// (less 100 ms for a late heartbeat) and 5 s after the cut, every accepted send reported
-// once.
+// (less one heartbeat period, 300 ms, for a late heartbeat) and 5 s after the cut, every accepted
+// send reported once.
 //
 // Both peers print when their closed callback ran (CLOCK_MONOTONIC, shared with this
 // process), so the detection times are measured, printed and bounded. Every wait has a
@@ -44,8 +44,12 @@ namespace {
 // or idle.
 constexpr auto PEER_TIMEOUT = 3000ms;
 // The verdict comes peer_timeout plus one heartbeat period after the last thing heard, which
-// is at most one period before the cut; 100 ms for a heartbeat sent late by a busy peer.
-constexpr auto EARLIEST = PEER_TIMEOUT - 100ms;
+// is at most one period before the cut if the peer's heartbeat timer is punctual. Under a
+// sanitizer with one test per core it is not: a receiver busy with a flood has sent its
+// last heartbeat up to 165 ms late (TSan, CI of 2026-11-26). One heartbeat period (300 ms)
+// of lateness is allowed; a verdict that ignored peer_timeout (one period, two periods) or
+// a close by a TCP error still fails, and the reason is checked in the log as well.
+constexpr auto EARLIEST = PEER_TIMEOUT - PEER_TIMEOUT / 10;
 constexpr auto LATEST = 5s;
 constexpr std::uint64_t FLOWING = 2000;  // messages A must have before the cut
 constexpr std::size_t SIZE = 4096;
