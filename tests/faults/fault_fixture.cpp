@@ -62,6 +62,7 @@ std::optional<Clock::time_point> Side::wait_closed(const EndPointAddress& remote
 std::vector<std::string> peer_command(const PeerOptions& o, const std::string& netns) {
   std::vector<std::string> argv;
   if (!netns.empty()) argv = {"ip", "netns", "exec", netns};
+  argv.insert(argv.end(), o.prefix.begin(), o.prefix.end());
   if (!o.environment.empty()) {
     argv.emplace_back("env");
     argv.insert(argv.end(), o.environment.begin(), o.environment.end());
@@ -92,6 +93,10 @@ std::vector<std::string> peer_command(const PeerOptions& o, const std::string& n
   if (o.peer_timeout) {
     argv.emplace_back("--peer-timeout-ms");
     argv.push_back(std::to_string(o.peer_timeout->count()));
+  }
+  if (o.undumpable) {
+    argv.emplace_back("--undumpable");
+    argv.emplace_back("1");
   }
   return argv;
 }

@@ -82,6 +82,8 @@ struct PeerOptions {
   std::chrono::seconds timeout{60};
   std::vector<std::string> environment;  // NAME=value, added to the inherited environment
   std::optional<std::chrono::milliseconds> peer_timeout;  // limits.peer_timeout
+  bool undumpable{false};           // the peer makes itself non-dumpable (no process may read it)
+  std::vector<std::string> prefix;  // a command that runs the peer (e.g. setpriv ...)
 };
 
 // argv of netio3_fault_peer, optionally run inside a network namespace (`ip netns exec`,

@@ -29,14 +29,17 @@
 // 3 deadline passed, 4 the connection could not be made.
 
 #include <algorithm>
+#include <cerrno>
 #include <charconv>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <exception>
 #include <mutex>
 #include <optional>
 #include <string>
 #include <string_view>
+#include <sys/prctl.h>
 #include <vector>
 
 #include <fmt/format.h>
@@ -74,6 +77,7 @@ struct Options {
   std::uint64_t progress{0};
   std::chrono::seconds timeout{60};
   std::optional<std::chrono::milliseconds> peer_timeout;  // limits.peer_timeout
+  bool undumpable{false};  // prctl(PR_SET_DUMPABLE, 0) first: no process may read this one
 };
 
 template <typename T>
@@ -89,7 +93,7 @@ std::optional<T> parse_number(std::string_view text) {
                "netio3_fault_peer: %s\nusage: netio3_fault_peer --backend NAME --role send|recv "
                "(--listen IP | --connect IP:PORT) [--messages N] [--size BYTES] "
                "[--mode buffered|zerocopy|copy] [--network tcp|rdma] [--stream ID] [--progress K] "
-               "[--timeout SECONDS] [--peer-timeout-ms MS]\n",
+               "[--timeout SECONDS] [--peer-timeout-ms MS] [--undumpable 0|1]\n",
                why.c_str());
   std::exit(2);  // NOLINT(concurrency-mt-unsafe): before any thread exists
 }
@@ -108,6 +112,9 @@ Options parse(int argc, char** argv) {
       if (!type) usage(fmt::format("unknown backend '{}'", value));
       o.backend = *type;
       have_backend = true;
+    } else if (name == "--undumpable") {
+      if (value != "0" && value != "1") usage("--undumpable is 0 or 1");
+      o.undumpable = value == "1";
     } else if (name == "--role") {
       if (value != "send" && value != "recv") usage("--role is send or recv");
       o.send = value == "send";
@@ -164,6 +171,10 @@ Options parse(int argc, char** argv) {
 
 int run(const Options& o) {
   const auto deadline = Clock::now() + o.timeout;
+  if (o.undumpable && ::prctl(PR_SET_DUMPABLE, 0) != 0) {
+    print_line(fmt::format("END prctl(PR_SET_DUMPABLE, 0): {}", std::strerror(errno)));
+    return 1;
+  }
   Observer observer{o.size, print_line, o.send ? 0 : o.progress};
   netio3::test::LoopThread loop;
   std::vector<std::uint8_t> region;

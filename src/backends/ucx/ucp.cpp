@@ -2,15 +2,20 @@
 
 #include <algorithm>
 #include <array>
+#include <cerrno>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <mutex>
 #include <string>
 #include <string_view>
+#include <sys/prctl.h>
 #include <sys/resource.h>
+#include <sys/uio.h>
 #include <ucs/algorithm/crc.h>
 #include <ucs/config/global_opts.h>
+#include <unistd.h>
 #include <utility>
 
 #include <fmt/format.h>
@@ -129,6 +134,19 @@ Worker::Worker(const TransportChoice& transports, ThreadSafetyModel model,
       may_use(transports.tls, {"posix", "sysv", "mm", "sm", "shm"})) {
     check("ucp_config_modify(MM_ERROR_HANDLING)",
           ucp_config_modify(config.get(), "MM_ERROR_HANDLING", "y"));
+  }
+  // Under peer error handling UCX 1.13 gives rendezvous lanes only to memory domains that
+  // can invalidate a registration. CMA's registration is a no-op (it reads the peer's
+  // memory with process_vm_readv), and its MEMORY_INVALIDATE switch only says so: a
+  // rendezvous send pending when its endpoint fails then completes once, with an error
+  // (ucp_request_dt_invalidate), which is what netio3 reports anyway. Without it, large
+  // messages between processes of one host go as fragments over tcp. The key is the CMA
+  // memory domain's own (so only where cma may be among the transports);
+  // UCX_CMA_MEMORY_INVALIDATE in the environment decides.
+  if (!env_set("UCX_CMA_MEMORY_INVALIDATE") &&
+      may_use(transports.tls, {"cma", "sm", "shm", "scopy"})) {
+    check("ucp_config_modify(MEMORY_INVALIDATE)",
+          ucp_config_modify(config.get(), "MEMORY_INVALIDATE", "y"));
   }
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
@@ -330,6 +348,7 @@ std::string walk_worker_address(std::span<const std::uint8_t> address, WorkerAdd
     for (bool last_iface = empty; !last_iface;) {
       if (++entries > MAX_RESOURCES) return "a worker address with too many transports";
       if (!need(TL_NAME_CSUM)) return "a worker address cut short in a transport";
+      const std::size_t name_at = pos;
       const std::uint16_t checksum = detail::load_le16(address.data() + pos);
       pos += TL_NAME_CSUM;
       if (!need(v2 ? IFACE_ATTR_V2 : IFACE_ATTR_V1)) {
@@ -349,7 +368,7 @@ std::string walk_worker_address(std::span<const std::uint8_t> address, WorkerAdd
       pos += iface_length;
       if (pos <= address.size()) {
         info.transports.push_back({checksum, address.subspan(device_at, device_length),
-                                   address.subspan(iface_at, iface_length)});
+                                   address.subspan(iface_at, iface_length), name_at});
       }
       // Endpoint addresses travel in UCX's wireup messages, never in a worker address.
       if ((iface_flags & IFACE_HAS_EP_ADDR) != 0) return "a worker address with endpoint addresses";
@@ -499,6 +518,133 @@ std::array<std::uint8_t, detail::FRAME_HEADER_SIZE + CLOSE_SIZE> encode_close(st
 std::optional<std::uint64_t> decode_close(std::span<const std::uint8_t> bytes) {
   if (bytes.size() != CLOSE_SIZE) return std::nullopt;
   return detail::load_le64(bytes.data());
+}
+
+std::uint16_t cma_checksum() {
+  static const std::uint16_t cma = ucs_crc16_string("cma");
+  return cma;
+}
+
+namespace {
+
+// What the kernel's ptrace access check (__ptrace_may_access, PTRACE_MODE_ATTACH_REALCREDS:
+// what process_vm_readv asks for) looks at, from /proc/<pid>/status.
+struct Credentials {
+  std::array<unsigned long, 3> uids{};  // real, effective, saved
+  std::array<unsigned long, 3> gids{};
+  bool cap_sys_ptrace{false};  // in the effective set
+};
+
+std::optional<Credentials> credentials_of(const std::string& who) {
+  std::ifstream status{fmt::format("/proc/{}/status", who)};
+  Credentials out;
+  unsigned found = 0;
+  const auto ids = [](const char* p, std::array<unsigned long, 3>& into) {
+    for (auto& id : into) {
+      char* end = nullptr;
+      errno = 0;
+      id = std::strtoul(p, &end, 10);
+      if (end == p || errno != 0) return false;
+      p = end;
+    }
+    return true;
+  };
+  for (std::string line; std::getline(status, line);) {
+    if (line.starts_with("Uid:")) {
+      if (!ids(line.c_str() + 4, out.uids)) return std::nullopt;
+      found |= 1U;
+    } else if (line.starts_with("Gid:")) {
+      if (!ids(line.c_str() + 4, out.gids)) return std::nullopt;
+      found |= 2U;
+    } else if (line.starts_with("CapEff:")) {
+      constexpr unsigned CAP_SYS_PTRACE_BIT = 19;
+      errno = 0;
+      const unsigned long long caps = std::strtoull(line.c_str() + 7, nullptr, 16);
+      if (errno != 0) return std::nullopt;
+      out.cap_sys_ptrace = ((caps >> CAP_SYS_PTRACE_BIT) & 1U) != 0;
+      found |= 4U;
+    }
+  }
+  if (found != 7U) return std::nullopt;
+  return out;
+}
+
+// Whether a process with `reader`'s credentials may read the memory of one with `target`'s
+// (dumpable or not): the same user and group ids throughout, or CAP_SYS_PTRACE; and a
+// dumpable target, or CAP_SYS_PTRACE.
+bool may_read(const Credentials& reader, const Credentials& target, bool target_dumpable) {
+  if (reader.cap_sys_ptrace) return true;
+  const auto all = [](const std::array<unsigned long, 3>& ids, unsigned long id) {
+    return std::all_of(ids.begin(), ids.end(), [&](unsigned long i) { return i == id; });
+  };
+  return all(target.uids, reader.uids[0]) && all(target.gids, reader.gids[0]) && target_dumpable;
+}
+
+}  // namespace
+
+std::string cma_refusal(const WorkerAddressInfo& peer, const WorkerAddressInfo& own) {
+  const auto cma = [](const WorkerAddressInfo& info) {
+    return std::find_if(info.transports.begin(), info.transports.end(),
+                        [](const auto& t) { return t.name_checksum == cma_checksum(); });
+  };
+  const auto theirs = cma(peer);
+  const auto ours = cma(own);
+  if (theirs == peer.transports.end() || ours == own.transports.end()) return {};
+  // The device address is the host's id (and the IPC namespace's): another host's CMA is
+  // unreachable for UCX.
+  if (!std::equal(theirs->device.begin(), theirs->device.end(), ours->device.begin(),
+                  ours->device.end())) {
+    return {};
+  }
+  if (theirs->iface.size() < sizeof(std::uint32_t)) return "the peer's CMA address is too short";
+  std::uint32_t id = 0;
+  std::memcpy(&id, theirs->iface.data(), sizeof(id));
+  const auto pid = static_cast<pid_t>(id & 0x7FFFFFFFU);  // bit 31: a pid namespace follows
+  if (pid <= 0) return "the peer's CMA address names no process";
+  // This side reading the peer: asked of the kernel (page 0 is never mapped: EFAULT once
+  // access is granted, EPERM when not).
+  char byte = 0;
+  iovec local{&byte, 1};
+  iovec remote{nullptr, 1};
+  if (::process_vm_readv(pid, &local, 1, &remote, 1, 0) < 0 && errno != EFAULT) {
+    return fmt::format("process_vm_readv of process {}: {}", pid, std::strerror(errno));
+  }
+  // The peer reading this side: the kernel's rule, from what both sides can see; the peer
+  // asks the kernel for it and works out this direction by the rule, so both come to the
+  // same answer (an endpoint with CMA on one side only fails at its set-up).
+  const auto mine = credentials_of("self");
+  const auto their = credentials_of(std::to_string(pid));
+  if (!mine || !their) {
+    return fmt::format("the credentials of process {} cannot be read from /proc", pid);
+  }
+  if (!may_read(*their, *mine, ::prctl(PR_GET_DUMPABLE) == 1)) {
+    return fmt::format(
+        "process {} may not read this one (other user or group ids, or this "
+        "process is not dumpable, and no CAP_SYS_PTRACE)",
+        pid);
+  }
+  return {};
+}
+
+std::vector<std::uint8_t> without_transport(std::span<const std::uint8_t> address,
+                                            const WorkerAddressInfo& info,
+                                            const WorkerAddressInfo& own,
+                                            std::uint16_t name_checksum) {
+  // A name no transport of this worker has (nor the one replaced).
+  std::uint16_t unknown = ucs_crc16_string("netio3-no-such-transport");
+  const auto taken = [&](std::uint16_t checksum) {
+    return checksum == name_checksum ||
+           std::any_of(own.transports.begin(), own.transports.end(),
+                       [&](const auto& t) { return t.name_checksum == checksum; });
+  };
+  while (taken(unknown)) ++unknown;
+  std::vector<std::uint8_t> copy{address.begin(), address.end()};
+  for (const auto& transport : info.transports) {
+    if (transport.name_checksum != name_checksum) continue;
+    if (transport.name_at + 2 > copy.size()) continue;
+    detail::store_le16(copy.data() + transport.name_at, unknown);
+  }
+  return copy;
 }
 
 std::string check_same_host_transports(const WorkerAddressInfo& peer,

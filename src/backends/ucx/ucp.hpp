@@ -94,6 +94,7 @@ struct WorkerAddressInfo {
     std::uint16_t name_checksum{};
     std::span<const std::uint8_t> device;
     std::span<const std::uint8_t> iface;
+    std::size_t name_at{};  // where the name checksum is in the address
   };
   std::string error;  // empty: UCX can parse the address
   std::optional<std::uint64_t> uuid;
@@ -112,6 +113,29 @@ struct WorkerAddressInfo {
 // build, so their addresses have the same shape as ours. An error text, or empty.
 [[nodiscard]] std::string check_same_host_transports(const WorkerAddressInfo& peer,
                                                      const WorkerAddressInfo& own);
+
+// Whether bulk data between this process and `peer` may go by CMA (process_vm_readv and
+// process_vm_writev between the two processes, both ways: the side that receives a
+// rendezvous message reads the sender's memory). Empty when it may, or when CMA is not
+// among the transports both addresses name on one host (UCX would not pick it anyway);
+// else why not. UCX only checks the host and the pid namespace; the kernel also asks for
+// ptrace access both ways, which a process that made itself non-dumpable
+// (PR_SET_DUMPABLE 0, setuid programs) or one of another user refuses, and then UCX fails
+// the endpoint at the first large message. So CMA stays only where this process is
+// dumpable, the peer's real, effective and saved user and group ids are this process's, and
+// a probe read of the peer (process_vm_readv of its page 0: the kernel checks access before
+// the address, EFAULT means allowed) is not refused.
+[[nodiscard]] std::string cma_refusal(const WorkerAddressInfo& peer, const WorkerAddressInfo& own);
+
+// A copy of the worker address `address` (described by `info`) in which the transports
+// with `name_checksum` carry a name no transport of `own` has: UCX ignores them when it
+// selects lanes, so an endpoint made from the copy never uses them, and the endpoint's
+// wire-up tells the peer only the transports it does use.
+[[nodiscard]] std::vector<std::uint8_t> without_transport(std::span<const std::uint8_t> address,
+                                                          const WorkerAddressInfo& info,
+                                                          const WorkerAddressInfo& own,
+                                                          std::uint16_t name_checksum);
+[[nodiscard]] std::uint16_t cma_checksum();
 
 // A memory region mapped for UCX (ucp_mem_map), unmapped on destruction.
 class MemoryMap {

@@ -344,7 +344,10 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
 
   // The endpoint to the worker at `address`: the one its earlier connections use, or a new
   // one. Throws UcxError.
-  std::shared_ptr<Endpoint> acquire_endpoint(std::span<const std::uint8_t> address);
+  // The endpoint to the worker whose HELLO gave `peer_address` (one per peer worker), made
+  // from `address` (the same, or a copy with a transport masked) when there is none yet.
+  std::shared_ptr<Endpoint> acquire_endpoint(std::span<const std::uint8_t> peer_address,
+                                             std::span<const std::uint8_t> address);
 
   // The connection no longer sends on its endpoint (which stays for the others).
   void release_endpoint(Connection& conn);
