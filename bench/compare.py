@@ -58,6 +58,14 @@ PYTHON = "/usr/bin/python3" if Path("/usr/bin/python3").exists() else sys.execut
 # against ucp_am_bw over UCX's shared-memory transports, both sleeping in the kernel between
 # events (netio3 does not busy-poll here; ucx_perftest runs with -E sleep).
 SHM_TLS = "posix,cma,self"
+# ... and against the reference with netio3's error handling: ucp_am_bw with peer error
+# handling (-e) over tcp and CMA, CMA's MEMORY_INVALIDATE on (what netio3 sets), and against a
+# single-threaded memcpy of the same working set (netio3-raw-memcpy). netio3's 1 MiB runs
+# twice: with the default window (a rotating set of buffers at both ends, as a producer whose
+# data come fresh from memory sees it) and with --window 1 (one buffer at each end, reused, as
+# ucx_perftest and iperf3 send).
+CMA_TLS = "tcp,cma"
+SAME_HOST_W1_MIN = 65536  # --window 1 rows for sizes from this up
 # The fan-in section: one client process with N connections to one server process, every
 # backend next to its raw transport with the same N (iperf3 -P N, netio3-raw-fabric and
 # netio3-raw-ucx --connections N), buffered sends of one size. Every program there sleeps in the
@@ -263,6 +271,7 @@ class Runner:
             "raw-fabric": self.build / "bench/raw/netio3-raw-fabric",
             "raw-zmq": self.build / "bench/raw/netio3-raw-zmq",
             "raw-ucx": self.build / "bench/raw/netio3-raw-ucx",
+            "raw-memcpy": self.build / "bench/raw/netio3-raw-memcpy",
         }
         self.count = 0
         self.round = 1
@@ -377,7 +386,8 @@ class Runner:
         rdma = backend == "ucx-rdma"
         label_backend, backend = backend, ("ucx" if rdma else backend)
         perf = self.bins["netio3-perf"]
-        plan = ([(s, "throughput", n) for n in self.sizes for s in ("zero-copy", "buffered")]
+        plan = ([(s, "throughput", n) for n in self.sizes for s in ("zero-copy", "buffered")] +
+                [("zero-copy w1", "throughput", n) for n in self.sizes if n >= SAME_HOST_W1_MIN]
                 if rdma else self.netio3_plan(backend))
         why = None
         if not perf.exists():
@@ -415,8 +425,12 @@ class Runner:
         poll_args = ["--busy-poll", poll]
 
         def client_argv(address, send, test, size):
+            # "zero-copy w1": --window 1 (one buffer at each end).
+            send, _, window = send.partition(" w")
+            extra = ["--window", window] if window else []
             return [perf, "--client", address, "--backend", backend, "--mode", mode,
-                    "--send", send, "--size", size, "--duration", d, "--test", test] + poll_args
+                    "--send", send, "--size", size, "--duration", d, "--test", test] + \
+                poll_args + extra
 
         self.run_json_suite(
             group, f"netio3-{label_backend}", lambda send, test: f"{label_backend} {send}",
@@ -593,29 +607,57 @@ class Runner:
         return self.env(UCX_TLS="tcp", UCX_TCP_PUT_ENABLE=put), put
 
     def ucx_perftest_shm(self):
-        """The same-host reference: ucp_am_bw over UCX's shared-memory transports, sleep mode."""
+        """The same-host references: ucp_am_bw over UCX's shared-memory transports, and over
+        tcp and CMA with peer error handling, both in sleep mode; a memcpy of netio3's working
+        sets."""
         for size in self.sizes:
+            for shm, label in (("shm", "ucp_am_bw shm"), ("cma", "ucp_am_bw -e cma")):
+                try:
+                    self.add(self.ucx_run("ucp_am_bw", "throughput", size, shm=shm))
+                except RunError as e:
+                    self.add(failed(label, "same-host", "throughput", size, str(e),
+                                    tool="ucx_perftest", backend="ucx"))
+            self.memcpy(size)
+
+    def memcpy(self, size):
+        """netio3-raw-memcpy with one block (the references' working set) and with
+        netio3-perf's default window of blocks (its zero-copy slots and receive buffers)."""
+        binary = self.bins["raw-memcpy"]
+        window = min(max((2 << 20) // size, 8), 1024)  # netio3-perf's auto_window
+        for blocks, label in ((1, "memcpy ws1"), (window, "memcpy window")):
+            if not binary.exists():
+                self.add(failed(label, "same-host", "throughput", size,
+                                f"{rel(binary)} not built", status="missing"))
+                continue
             try:
-                self.add(self.ucx_run("ucp_am_bw", "throughput", size, shm=True))
+                r = self.json_client(label, "same-host", f"memcpy-{size}-{blocks}",
+                                     [binary, "--size", size, "--working-set", blocks * size,
+                                      "--duration", self.args.duration], self.env(),
+                                     "throughput", size)
+                r["note"] = f"working set {blocks} x {size_name(size)}"
+                self.add(r)
             except RunError as e:
-                self.add(failed("ucp_am_bw shm", "same-host", "throughput", size, str(e),
-                                tool="ucx_perftest", backend="ucx"))
+                self.add(failed(label, "same-host", "throughput", size, str(e)))
 
     def ucx_once(self, label, size, iterations, tag, shm=False):
         """One ucx_perftest server + client; returns the numbers of its final line."""
         env, _ = self.ucx_reference_env()
         extra = []
-        if shm:
+        if shm == "cma":
+            env = dict(env, UCX_TLS=CMA_TLS, UCX_CMA_MEMORY_INVALIDATE="y")
+            extra = ["-E", "sleep", "-e"]
+        elif shm:
             env = dict(env, UCX_TLS=SHM_TLS)
             env.pop("UCX_TCP_PUT_ENABLE", None)
             extra = ["-E", "sleep"]
         port = free_port()
-        server = Server(f"ucx_perftest-{label}-{size}{'-shm' if shm else ''}",
+        suffix = f"-{shm}" if shm else ""
+        server = Server(f"ucx_perftest-{label}-{size}{suffix}",
                         ["ucx_perftest", "-p", port] + extra, self.logs, env=env, port=port)
         warmup = min(10000, max(10, iterations // 10))
         try:
             rc, output = self.client(
-                f"ucx_perftest-{label}-{size}-{tag}{'-shm' if shm else ''}",
+                f"ucx_perftest-{label}-{size}-{tag}{suffix}",
                 ["ucx_perftest", HOST, "-p", port, "-t", label, "-s", size, "-n", iterations,
                  "-w", warmup, "-f"] + extra, env=env)
         finally:
@@ -643,11 +685,15 @@ class Runner:
         v = self.ucx_once(label, size, iterations, "run", shm)
         if shm:
             per_s = v[7]
-            return record("ucp_am_bw shm", "same-host", tool="ucx_perftest", backend="ucx",
+            cma = shm == "cma"
+            return record("ucp_am_bw -e cma" if cma else "ucp_am_bw shm", "same-host",
+                          tool="ucx_perftest", backend="ucx",
                           send="ucp_am_bw", test=test, size=size, duration_s=v[0] / per_s,
                           messages=int(v[0]), bytes=int(v[0]) * size, msgs_per_s=per_s,
                           bytes_per_s=per_s * size,
-                          note=f"UCX_TLS={SHM_TLS}, -E sleep; overall message rate")
+                          note=(f"UCX_TLS={CMA_TLS}, UCX_CMA_MEMORY_INVALIDATE=y, -e, -E sleep"
+                                if cma else f"UCX_TLS={SHM_TLS}, -E sleep") +
+                          "; overall message rate")
         if test == "throughput":
             per_s = v[7]
             return record(label, "ucx_perftest", tool="ucx_perftest", backend="ucx",
@@ -963,7 +1009,20 @@ def ratio_rows(summaries, sizes, latency_sizes, rounds):
     for size in sizes:
         specs.append(("ucx-rdma zero-copy / asyncmsg zero-copy bandwidth", size,
                       "ucx-rdma zero-copy", "throughput", "asyncmsg zero-copy", "throughput", "bw",
-                      (">=", 2.5) if size == 1048576 else None))
+                      (">=", 1.1) if size == 1048576 else None))
+    # Same host, equal working sets: one buffer at each end against the reference with the
+    # same error handling; the default window against a memcpy of its working set.
+    for size in sizes:
+        if size >= SAME_HOST_W1_MIN:
+            specs.append(("ucx-rdma zero-copy w1 / ucp_am_bw -e cma bandwidth", size,
+                          "ucx-rdma zero-copy w1", "throughput", "ucp_am_bw -e cma",
+                          "throughput", "bw", (">=", 0.8) if size == 1048576 else None))
+            specs.append(("ucx-rdma zero-copy w1 / memcpy ws1 bandwidth", size,
+                          "ucx-rdma zero-copy w1", "throughput", "memcpy ws1", "throughput",
+                          "bw", None))
+        specs.append(("ucx-rdma zero-copy / memcpy window bandwidth", size, "ucx-rdma zero-copy",
+                      "throughput", "memcpy window", "throughput", "bw",
+                      (">=", 0.8) if size == 1048576 else None))
 
     # Python: the package's sender against netio3-perf's (both clients of one C++ server), and
     # the package against pyzmq's asyncio PUSH/PULL (both ends in one process each).
