@@ -237,7 +237,9 @@ TEST_P(PeerKilled, CloseIsReportedNothingIsLostAndTheBackendCarriesOn) {
     // The peer sends AFTER messages and closes once they completed.
     ASSERT_TRUE(side.wait_closed(*second, Clock::now() + WAIT).has_value())
         << second_peer->describe();
-    EXPECT_EQ(side.observer.stream_copy(2).received, AFTER);
+    EXPECT_EQ(side.observer.stream_copy(2).received, AFTER)
+        << "the second peer, after the first one's kill\n"
+        << second_peer->describe();
     EXPECT_EQ(side.observer.stream_copy(2).bad, 0U) << side.observer.stream_copy(2).first_error;
     EXPECT_EQ(second_peer->wait(), 0) << second_peer->describe();
   } else {
