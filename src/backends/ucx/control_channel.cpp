@@ -301,19 +301,9 @@ void Backend::on_hello(const std::shared_ptr<Connection>& conn,
                        "transports under another worker's id");
     return;
   }
-  // Bulk data by CMA only where the kernel lets both processes read each other; else the
-  // endpoint is made as if the peer had no CMA (its large messages go over tcp).
-  std::vector<std::uint8_t> without_cma;
-  if (const auto refusal = cma_refusal(address, m_own_address); !refusal.empty()) {
-    NETIO3_INFO("ucx: connection with {}: large messages by tcp, not CMA: {}", conn->remote,
-                refusal);
-    without_cma = without_transport(hello->worker_address, address, m_own_address, cma_checksum());
-  }
   std::shared_ptr<Endpoint> endpoint;
   try {
-    endpoint = acquire_endpoint(
-        hello->worker_address,
-        without_cma.empty() ? hello->worker_address : std::span<const std::uint8_t>{without_cma});
+    endpoint = acquire_endpoint(hello->worker_address, address, conn->remote);
   } catch (const std::runtime_error& e) {
     const auto reason = fmt::format("cannot reach the peer over UCX: {}", e.what());
     NETIO3_WARN("ucx: connection with {}: {}", conn->remote, reason);
@@ -391,10 +381,19 @@ void Backend::linger_control(Connection& conn) {
   if (conn.control.valid()) m_lingering->add(std::move(conn.control));
 }
 
-std::shared_ptr<Endpoint> Backend::acquire_endpoint(std::span<const std::uint8_t> peer_address,
-                                                    std::span<const std::uint8_t> address) {
-  std::string peer{peer_address.begin(), peer_address.end()};
+std::shared_ptr<Endpoint> Backend::acquire_endpoint(std::span<const std::uint8_t> address,
+                                                    const WorkerAddressInfo& info,
+                                                    const EndPointAddress& remote) {
+  std::string peer{address.begin(), address.end()};
   if (const auto it = m_peers.find(peer); it != m_peers.end()) return it->second;
+  // Bulk data by CMA only where the kernel lets both processes read each other; else the
+  // endpoint is made as if the peer had no CMA (its large messages go over tcp).
+  std::vector<std::uint8_t> without_cma;
+  if (const auto refusal = cma_refusal(info, m_own_address); !refusal.empty()) {
+    NETIO3_INFO("ucx: connection with {}: large messages by tcp, not CMA: {}", remote, refusal);
+    without_cma = without_transport(address, info, m_own_address, cma_checksum());
+    address = without_cma;
+  }
   auto endpoint = std::make_shared<Endpoint>(++m_endpoint_ids, peer);
   endpoint->backend = this;
   endpoint->last_progress = std::chrono::steady_clock::now();

@@ -121,10 +121,12 @@ struct WorkerAddressInfo {
 // else why not. UCX only checks the host and the pid namespace; the kernel also asks for
 // ptrace access both ways, which a process that made itself non-dumpable
 // (PR_SET_DUMPABLE 0, setuid programs) or one of another user refuses, and then UCX fails
-// the endpoint at the first large message. So CMA stays only where this process is
-// dumpable, the peer's real, effective and saved user and group ids are this process's, and
-// a probe read of the peer (process_vm_readv of its page 0: the kernel checks access before
-// the address, EFAULT means allowed) is not refused.
+// the endpoint at the first large message. So both sides decide alike: each asks the
+// kernel whether it may read the peer (process_vm_readv of the peer's page 0: the kernel
+// checks access before the address, EFAULT means allowed) and works out whether the peer
+// may read it by the kernel's rule (same user and group ids and this process dumpable, or
+// CAP_SYS_PTRACE in the peer; from /proc/<pid>/status). Reads procfs: call it only when an
+// endpoint is made.
 [[nodiscard]] std::string cma_refusal(const WorkerAddressInfo& peer, const WorkerAddressInfo& own);
 
 // A copy of the worker address `address` (described by `info`) in which the transports

@@ -342,12 +342,12 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
 
   // ---- endpoints ---------------------------------------------------------------------
 
-  // The endpoint to the worker at `address`: the one its earlier connections use, or a new
-  // one. Throws UcxError.
-  // The endpoint to the worker whose HELLO gave `peer_address` (one per peer worker), made
-  // from `address` (the same, or a copy with a transport masked) when there is none yet.
-  std::shared_ptr<Endpoint> acquire_endpoint(std::span<const std::uint8_t> peer_address,
-                                             std::span<const std::uint8_t> address);
+  // The endpoint to the worker whose HELLO gave `address` (`info`, parsed): the one its
+  // earlier connections use, or a new one, made without CMA where cma_refusal says so
+  // (logged for `remote`). Throws UcxError.
+  std::shared_ptr<Endpoint> acquire_endpoint(std::span<const std::uint8_t> address,
+                                             const WorkerAddressInfo& info,
+                                             const EndPointAddress& remote);
 
   // The connection no longer sends on its endpoint (which stays for the others).
   void release_endpoint(Connection& conn);
