@@ -224,7 +224,8 @@ class Ports : public ::testing::TestWithParam<Target> {
           "4k",
           "--quiet" }};
     const auto status = client.wait(Clock::now() + 60s);
-    EXPECT_EQ(status, 0) << client.out() << client.err();
+    EXPECT_EQ(status, 0) << client.out() << client.err() << "\nthe server's log:\n"
+                         << server_log();
 #endif
   }
 

@@ -221,6 +221,37 @@ TEST_P(HostileUcx, APeerThatNeverAnswersOverUcxIsDroppedAfterTheSetUpTimeout) {
   finish();
 }
 
+// A connection gets its receive and send buffers (and their UCX memory maps) only when
+// its peer's HELLO is accepted: connections that were greeted but never answer - a flood,
+// a port scanner, a stranger - cost a socket each, not buffers. Here each would cost
+// 64 MiB (a listener with 64 receive buffers of 1 MiB); 16 of them must not add 1 GiB of
+// address space. Before, a flood at a low descriptor limit spent the loop allocating and
+// mapping them, and a real client behind it timed out waiting for its greeting.
+TEST_P(HostileUcx, ConnectionsThatNeverSayHelloHoldNoBuffers) {
+  ASSERT_NO_FATAL_FAILURE(start());
+  ConnectionParameters big{};
+  big.recv_params = {.buf_size = 1U << 20U, .num_buf = 64, .use_shared_receive_buffers = false};
+  big.send_buffered_params = {.buf_size = 1U << 20U, .num_buf = 8};
+  const auto port = m_server->open_listen_endpoint({"127.0.0.1", 0}, big);
+  constexpr std::size_t PEERS = 16;
+  constexpr std::size_t PER_CONNECTION = (64U + 8U) << 20U;
+  const std::size_t before = netio3::test::virtual_bytes();
+  std::vector<std::unique_ptr<RawPeer>> peers;
+  for (std::size_t i = 0; i < PEERS; ++i) {
+    peers.push_back(std::make_unique<RawPeer>(port));
+    // The server's opening arrives once the connection exists on its side.
+    ASSERT_TRUE(peers.back()->read_exact(GREETING_SIZE + HEADER_SIZE).has_value()) << m_logs.dump();
+  }
+  const std::size_t after = netio3::test::virtual_bytes();
+  const std::size_t grown = after - std::min(before, after);
+  EXPECT_LT(grown, PEERS * PER_CONNECTION / 4)
+      << PEERS << " connections without a HELLO added " << (grown >> 20U) << " MiB";
+  expect_stream_progress(100);
+  peers.clear();
+  m_server->close_listen_endpoint(port);
+  finish();
+}
+
 std::string mode_name(const ::testing::TestParamInfo<NetworkMode>& param) {
   return std::string{netio3::to_string(param.param)};
 }

@@ -151,6 +151,13 @@ std::size_t rss_bytes() {
   return pages_resident * static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
 }
 
+std::size_t virtual_bytes() {
+  std::ifstream statm{"/proc/self/statm"};
+  std::size_t pages_total = 0;
+  statm >> pages_total;
+  return pages_total * static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
+}
+
 namespace {
 
 // Binds a TCP socket to 127.0.0.1:0 (listening if `listen`); returns the fd and the port.

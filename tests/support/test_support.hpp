@@ -38,6 +38,9 @@ inline constexpr std::chrono::milliseconds DEFAULT_TIMEOUT = 30s;
 [[nodiscard]] std::size_t open_fd_count();
 // Resident set size of this process in bytes (/proc/self/statm).
 [[nodiscard]] std::size_t rss_bytes();
+// Virtual size of this process in bytes (/proc/self/statm): memory allocated counts here
+// before it is touched.
+[[nodiscard]] std::size_t virtual_bytes();
 
 // Re-checks `pred` until it holds or `timeout` passes. Only for what nothing notifies about
 // (descriptor counts, another process's state, a log file); everything else waits on a

@@ -301,6 +301,15 @@ void Backend::on_hello(const std::shared_ptr<Connection>& conn,
                        "transports under another worker's id");
     return;
   }
+  // Only now, with the peer's HELLO accepted, does the connection get its buffers.
+  try {
+    provision(*conn);
+  } catch (const std::exception& e) {
+    const auto reason = fmt::format("cannot allocate the connection's buffers: {}", e.what());
+    NETIO3_WARN("ucx: connection with {}: {}", conn->remote, reason);
+    close(conn, reason, CloseCause::ERROR);
+    return;
+  }
   std::shared_ptr<Endpoint> endpoint;
   try {
     endpoint = acquire_endpoint(hello->worker_address, address, conn->remote);

@@ -294,6 +294,7 @@ void Backend::open_active_endpoint(const EndPointAddress& address,
     m_registry.check_connection_free(held, address);
     try {
       conn = make_connection(held, address, params, 0, Phase::CONNECTING, m_global_recv);
+      provision(*conn);
       auto started = detail::connect_tcp(address, m_config.limits.peer_timeout);
       error = started.error;
       // Findable by its token before the loop can see the socket: the peer's first message
@@ -422,25 +423,28 @@ std::shared_ptr<Connection> Backend::make_connection(const Registry::Lock& held,
   auto conn =
       std::make_shared<Connection>(new_token(held), remote, params, listener_id, safe(), initial);
   conn->backend = this;
-  if (shared) {
-    conn->recv = std::move(shared);
-  } else if (params.recv_params.num_buf > 0) {
-    conn->recv = std::make_shared<RecvPool>(m_worker->context(), params.recv_params.num_buf,
-                                            params.recv_params.buf_size);
+  conn->recv = std::move(shared);
+  return conn;
+}
+
+void Backend::provision(Connection& conn) {
+  const auto& params = conn.params;
+  if (!conn.recv && params.recv_params.num_buf > 0) {
+    conn.recv = std::make_shared<RecvPool>(m_worker->context(), params.recv_params.num_buf,
+                                           params.recv_params.buf_size);
   }
   const auto& zc = params.send_zero_copy_params;
   if (zc.mr_start != nullptr && zc.buf_size > 0) {
-    conn->region = {zc.mr_start, zc.buf_size};
-    conn->region_map = MemoryMap{m_worker->context(), conn->region};
+    conn.region = {zc.mr_start, zc.buf_size};
+    conn.region_map = MemoryMap{m_worker->context(), conn.region};
   }
-  detail::attach_send_pool(*conn, m_shared_send_pool.get(), 0, safe());
-  if (conn->own_send_pool) {
-    conn->send_map = MemoryMap{m_worker->context(), conn->own_send_pool->region()};
-    conn->send_memh = conn->send_map.get();
-  } else if (conn->send_pool != nullptr) {
-    conn->send_memh = m_shared_send_map.get();
+  detail::attach_send_pool(conn, m_shared_send_pool.get(), 0, safe());
+  if (conn.own_send_pool) {
+    conn.send_map = MemoryMap{m_worker->context(), conn.own_send_pool->region()};
+    conn.send_memh = conn.send_map.get();
+  } else if (conn.send_pool != nullptr) {
+    conn.send_memh = m_shared_send_map.get();
   }
-  return conn;
 }
 
 std::uint64_t Backend::new_token(const Registry::Lock& held) {

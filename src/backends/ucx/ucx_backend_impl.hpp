@@ -278,11 +278,20 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
   // ---- connections -----------------------------------------------------------------
 
   // Under the registry's lock (`held`): the token must stay unused until it is indexed.
+  // The connection gets the shared receive pool `shared` (or none); its own buffers and
+  // memory maps come from provision().
   std::shared_ptr<Connection> make_connection(const Registry::Lock& held,
                                               const EndPointAddress& remote,
                                               const ConnectionParameters& params,
                                               std::uint64_t listener_id, Phase initial,
                                               std::shared_ptr<RecvPool> shared);
+
+  // Allocates and maps what `conn.params` asks for: its own receive pool (unless it shares
+  // one), its send pool, the zero-copy region's map. A client calls it in connect (errors
+  // reach the caller); a server only when a peer's HELLO was accepted, so that a connection
+  // that never completes its set-up (a flood, a stranger) costs a socket, not buffers.
+  // Throws what the allocation or UCX throws.
+  void provision(Connection& conn);
 
   // A random connection token that no connection of this backend has: messages are routed
   // by it, and a stray or forged message must not land in another connection.
