@@ -428,6 +428,10 @@ std::shared_ptr<Connection> Backend::make_connection(const Registry::Lock& held,
 }
 
 void Backend::provision(Connection& conn) {
+  // Both sides read the peer's HELLO (on_hello); a client's connection has its buffers from
+  // connect already, and an application thread may be using them.
+  if (conn.provisioned) return;
+  conn.provisioned = true;
   const auto& params = conn.params;
   if (!conn.recv && params.recv_params.num_buf > 0) {
     conn.recv = std::make_shared<RecvPool>(m_worker->context(), params.recv_params.num_buf,

@@ -189,6 +189,9 @@ struct Connection : detail::ConnectionBase {
   // Sends that completed at once, whose SENT_AT_ONCE event is not handled yet: the close
   // is reported after their completions.
   std::size_t completions_queued{0};
+  // provision() ran: the buffers and maps below exist (a client's from connect, a server's
+  // from the peer's HELLO). Loop thread, or the connecting thread before the loop sees it.
+  bool provisioned{false};
   ucp_mem_h send_memh{nullptr};
   MemoryMap send_map;  // own send pool
   std::span<std::uint8_t> region;
@@ -286,8 +289,8 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
                                               std::uint64_t listener_id, Phase initial,
                                               std::shared_ptr<RecvPool> shared);
 
-  // Allocates and maps what `conn.params` asks for: its own receive pool (unless it shares
-  // one), its send pool, the zero-copy region's map. A client calls it in connect (errors
+  // Allocates and maps what `conn.params` asks for, once: its own receive pool (unless it
+  // shares one), its send pool, the zero-copy region's map. A client calls it in connect (errors
   // reach the caller); a server only when a peer's HELLO was accepted, so that a connection
   // that never completes its set-up (a flood, a stranger) costs a socket, not buffers.
   // Throws what the allocation or UCX throws.
