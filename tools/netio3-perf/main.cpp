@@ -11,7 +11,7 @@
 //   --send buffered|zero-copy|copy  --test throughput|latency  --size N[,N...] (k/m: KiB/MiB)
 //   --duration SECONDS  --connections N  --threads N (0: send from the loop thread)
 //   --window N  --verify light|full  --warmup N  --busy-poll US  --json FILE  --quiet  --stats
-//   --on-ready
+//   --on-ready  --same-buffer
 //
 // Exit status: 0 when every message arrived intact, 1 when one did not, 2 for bad options,
 // 3 when a run could not be done (no connection, a stall, a failed send).
@@ -75,6 +75,9 @@ run options:
   --on-ready                         throughput with --threads 0, buffered or copy: send
                                      only from on_ready_to_send_cb (after one fill per
                                      connection), never retry from the loop
+  --same-buffer                      zero-copy: every message's payload from one buffer,
+                                     written once, up to --window in flight (what iperf3 and
+                                     ucx_perftest do); sizes and order checked, not content
 exit status: 0 every message arrived intact, 1 something was lost or corrupted,
              2 bad options, 3 a run could not be done
 )";
@@ -96,8 +99,8 @@ struct UsageError : std::runtime_error {
 };
 
 Args parse_args(int argc, char** argv) {
-  static const std::vector<std::string> FLAGS{"server",        "loopback", "quiet",   "stats",
-                                              "list-backends", "help",     "on-ready"};
+  static const std::vector<std::string> FLAGS{
+      "server", "loopback", "quiet", "stats", "list-backends", "help", "on-ready", "same-buffer"};
   static const std::vector<std::string> VALUES{
       "client", "backend", "mode",   "send", "test", "size", "duration", "connections", "threads",
       "window", "verify",  "warmup", "json", "bind", "port", "max-size", "busy-poll"};
@@ -266,6 +269,13 @@ int run_clients(const Args& args, bool loopback) {
   const std::string verify = args.get("verify", "light");
   if (verify != "light" && verify != "full") throw UsageError{"--verify: light or full"};
   base.verify = verify == "full" ? Verify::FULL : Verify::LIGHT;
+  base.same_buffer = args.flag("same-buffer");
+  if (base.same_buffer) {
+    if (base.send != SendKind::ZERO_COPY) throw UsageError{"--same-buffer: zero-copy sends"};
+    if (args.get("verify", "") != "")
+      throw UsageError{"--same-buffer: no --verify (every payload is the same)"};
+    base.verify = Verify::SIZE;
+  }
   double duration = 0;
   try {
     duration = std::stod(args.get("duration", "5"));
@@ -376,13 +386,14 @@ int run_clients(const Args& args, bool loopback) {
       json
           << fmt::format(
                  R"({{"tool":"netio3-perf","backend":"{}","mode":"{}","send":"{}","test":"{}",)"
-                 R"("size":{},"connections":{},"threads":{},"window":{},"loopback":{},)"
+                 R"("size":{},"connections":{},"threads":{},"window":{},"same_buffer":{},"loopback":{},)"
                  R"("duration_s":{:.6g},"messages":{},"bytes":{},"msgs_per_s":{},"bytes_per_s":{},)"
                  R"("gbit_per_s":{},"cpu_ns_per_msg":{},"server_cpu_ns_per_msg":{},)"
                  R"("p50_us":{},"p99_us":{},"p999_us":{},"intact":{},"error":{}}})",
                  common.backend, common.mode, to_string(options.send), test, size,
-                 options.connections, options.threads, r.window, loopback, r.seconds, r.messages,
-                 r.bytes, json_number(r.ok ? std::optional{r.msgs_per_s} : std::nullopt),
+                 options.connections, options.threads, r.window, options.same_buffer, loopback,
+                 r.seconds, r.messages, r.bytes,
+                 json_number(r.ok ? std::optional{r.msgs_per_s} : std::nullopt),
                  json_number(r.ok ? std::optional{r.bytes_per_s} : std::nullopt),
                  json_number(r.ok ? std::optional{r.bytes_per_s * 8 / 1e9} : std::nullopt),
                  json_number(r.ok ? std::optional{r.cpu_ns_per_msg} : std::nullopt),

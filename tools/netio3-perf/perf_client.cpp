@@ -10,6 +10,7 @@
 #include <future>
 #include <iostream>
 #include <mutex>
+#include <sys/mman.h>
 #include <thread>
 #include <unordered_map>
 #include <utility>
@@ -170,6 +171,8 @@ class Run {
   EndPointAddress m_server;
   std::size_t m_window;
   std::size_t m_slot;  // zero-copy slot size
+  // Zero-copy data slots (the control message's slot follows them): one with --same-buffer.
+  [[nodiscard]] std::size_t data_slots() const { return m_options.same_buffer ? 1 : m_window; }
   Pattern m_pattern;
   std::shared_ptr<EpollEventLoop> m_loop;
   std::jthread m_loop_thread;
@@ -340,8 +343,10 @@ void Run::on_completed(const EndPointAddress& remote, std::uint64_t key) {
   Conn* c = conn_of(remote);
   if (c == nullptr) return;
   if (m_options.send == SendKind::ZERO_COPY) {
-    const std::size_t slot = (key & CONTROL_KEY) != 0 ? m_window : key % m_window;
-    c->slot_busy[slot].store(false, std::memory_order_release);
+    const bool control = (key & CONTROL_KEY) != 0;
+    if (control || !m_options.same_buffer) {
+      c->slot_busy[control ? data_slots() : key % m_window].store(false, std::memory_order_release);
+    }
   }
   c->completions.fetch_add(1);
   if (m_options.threads > 0) {
@@ -473,7 +478,16 @@ NetioStatus Run::send_message(Conn& c, const Header& h, std::span<const std::uin
       status = m_backend->send_data_copy(c.address, rest, header, control ? CONTROL_KEY : h.seq);
       break;
     case SendKind::ZERO_COPY: {
-      const std::size_t slot = control ? m_window : h.seq % m_window;
+      if (m_options.same_buffer && !control) {
+        // The one data buffer, written in params_for; the window bounds what is in flight.
+        if (c.submitted.load(std::memory_order_relaxed) - c.completions.load() >= m_window) {
+          return NetioStatus::NO_RESOURCES;
+        }
+        status = m_backend->send_data(
+            c.address, std::span<std::uint8_t>{c.region.get(), rest.size()}, header, h.seq);
+        break;
+      }
+      const std::size_t slot = control ? data_slots() : h.seq % m_window;
       if (c.slot_busy[slot].load(std::memory_order_acquire)) return NetioStatus::NO_RESOURCES;
       std::uint8_t* where = c.region.get() + slot * m_slot;
       place_payload(where, rest, control || m_options.verify == Verify::FULL);
@@ -555,12 +569,20 @@ ConnectionParameters Run::params_for(Conn& c) {
                                      .num_buf = m_window};
       break;
     case SendKind::ZERO_COPY: {
-      const std::size_t bytes = (m_window + 1) * m_slot;
-      c.region.reset(
-          static_cast<std::uint8_t*>(std::aligned_alloc(4096, (bytes + 4095) / 4096 * 4096)));
+      const std::size_t bytes = (data_slots() + 1) * m_slot;
+      // As docs/ucx.md advises for a zero-copy region: 2 MiB pages where it spans one.
+      constexpr std::size_t HUGE_PAGE = std::size_t{2} << 20U;
+      const std::size_t align = bytes >= HUGE_PAGE ? HUGE_PAGE : 4096;
+      const std::size_t rounded = (bytes + align - 1) / align * align;
+      c.region.reset(static_cast<std::uint8_t*>(std::aligned_alloc(align, rounded)));
       if (!c.region) throw std::bad_alloc{};
+      if (align == HUGE_PAGE) (void)::madvise(c.region.get(), rounded, MADV_HUGEPAGE);
       std::memset(c.region.get(), 0, bytes);
-      c.slot_busy = std::make_unique<std::atomic<bool>[]>(m_window + 1);
+      if (m_options.same_buffer) {
+        const auto payload = m_pattern.payload(0);
+        std::memcpy(c.region.get(), payload.data(), payload.size());
+      }
+      c.slot_busy = std::make_unique<std::atomic<bool>[]>(data_slots() + 1);
       params.send_zero_copy_params = {.buf_size = bytes, .mr_start = c.region.get()};
       break;
     }

@@ -37,6 +37,9 @@ struct ClientOptions {
   // Throughput, --threads 0: send only from on_ready_to_send_cb (and once at the start),
   // never retry on the loop's own account.
   bool on_ready{false};
+  // Zero-copy: every DATA message from one buffer, written once, up to `window` of them in
+  // flight - the working set of iperf3 and ucx_perftest (docs/benchmarks.md). Verify::SIZE.
+  bool same_buffer{false};
 };
 
 struct RunResult {

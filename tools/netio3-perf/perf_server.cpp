@@ -126,7 +126,8 @@ void PerfServer::on_start(Session& s, std::span<const std::uint8_t> data) {
   const auto start = body<StartBody>(data);
   if (!start || start->size < HEADER_SIZE || start->size > m_options.max_size ||
       (start->test != Test::THROUGHPUT && start->test != Test::LATENCY) ||
-      (start->verify != Verify::LIGHT && start->verify != Verify::FULL)) {
+      (start->verify != Verify::LIGHT && start->verify != Verify::FULL &&
+       start->verify != Verify::SIZE)) {
     complain(fmt::format("{}: bad START (size limit {} B)", s.remote, m_options.max_size));
     ++s.errors;
     return;
