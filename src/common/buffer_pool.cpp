@@ -17,9 +17,11 @@ constexpr std::size_t PAGE = 4096;
 // Regions of at least this size are aligned to it and advised to the kernel as transparent
 // huge pages (MADV_HUGEPAGE; used where /sys/kernel/mm/transparent_hugepage/enabled says
 // "madvise" or "always"). A peer on the same host reads them with process_vm_readv (UCX's
-// CMA lane), which pins the source's pages on every call: 2 MiB pages instead of 512 4 KiB
-// ones took 1 MiB messages from 5.0 to 9.2 GB/s here (docs/benchmarks.md). The cost: a pool
-// whose pages are touched sparsely holds more resident memory.
+// CMA lane), which pins the source's pages on every call (one 2 MiB page instead of 512
+// 4 KiB ones). Measured with 1 MiB zero-copy messages (docs/benchmarks.md): the sender's
+// region in huge pages 5.0 -> 9.2 GB/s, the receiver's pool alone 5.0 -> 6.1; a buffered
+// sender's pool is the source of its reads. The cost: a pool whose pages are touched
+// sparsely holds more resident memory.
 constexpr std::size_t HUGE_PAGE = std::size_t{2} << 20U;
 constexpr std::size_t round_up(std::size_t n, std::size_t a) {
   return (n + a - 1) / a * a;
