@@ -127,7 +127,7 @@ void Backend::shutdown() noexcept {
   };
   settle();
   ucp_worker_h worker = m_worker->get();
-  const auto deadline = std::chrono::steady_clock::now() + m_config.limits.close_timeout;
+  auto deadline = std::chrono::steady_clock::now() + m_config.limits.close_timeout;
   const auto progress_until = [&](const auto& done) {
     for (settle(); !done() && std::chrono::steady_clock::now() < deadline; settle()) {
       if (ucp_worker_progress(worker) != 0 || ucp_worker_arm(worker) != UCS_OK) continue;
@@ -174,20 +174,34 @@ void Backend::shutdown() noexcept {
   // once, as it would be by the end of the process. Gracefully it would wait for its peer
   // worker to answer, which a peer in this same process - another backend on this loop,
   // which nothing progresses while this one shuts down - never does before close_timeout.
+  // One whose connections still have requests after close_timeout (rendezvous sends to a
+  // peer that does not fetch them: stopped, hung) is closed by force, which ends them: UCX
+  // 1.13 aborts the process when a worker is destroyed with such a request on an endpoint
+  // (ucp_ep_destroy_base asserts that the endpoint's protocol requests are gone).
   std::vector<void*> closing;
   for (const auto& [id, endpoint] : m_endpoints) {
     if (endpoint->closing || endpoint->handle == nullptr) continue;
     endpoint->closing = true;
-    const bool idle =
-        std::none_of(endpoint->users.begin(), endpoint->users.end(),
-                     [](const std::weak_ptr<Connection>& user) { return !user.expired(); });
+    bool idle = true;
+    bool busy = false;
+    for (const auto& user : endpoint->users) {
+      const auto conn = user.lock();
+      if (!conn) continue;
+      idle = false;
+      const std::lock_guard lock{conn->mutex};
+      busy = busy || conn->requests > 0 || conn->receiving > 0;
+    }
     ucp_request_param_t param{};
     param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-    param.flags = endpoint->failed || idle ? static_cast<unsigned>(UCP_EP_CLOSE_FLAG_FORCE) : 0U;
+    param.flags =
+        endpoint->failed || idle || busy ? static_cast<unsigned>(UCP_EP_CLOSE_FLAG_FORCE) : 0U;
     void* const request = ucp_ep_close_nbx(endpoint->handle, &param);
     if (request != nullptr && !UCS_PTR_IS_ERR(request)) closing.push_back(request);
   }
-  // Closes that were under way before the shutdown complete through their callbacks.
+  // Closes that were under way before the shutdown complete through their callbacks. The
+  // closes get their own time (a forced one needs a few progress calls), not what the sends
+  // left of close_timeout.
+  deadline = std::max(deadline, std::chrono::steady_clock::now() + CLOSE_PROGRESS);
   progress_until([&] {
     return std::all_of(closing.begin(), closing.end(), [](void* request) {
       return ucp_request_check_status(request) != UCS_INPROGRESS;
