@@ -53,13 +53,7 @@ constexpr std::size_t CONTROL_OPS = 2;
 constexpr std::size_t MAX_IOV = 16;
 // Messages a connection may hold back for ordering (behind an unfinished rendezvous).
 constexpr std::uint64_t MAX_REORDER = std::uint64_t{1} << 16U;
-// Rendezvous bytes a connection receives at once at most (beyond one message), where the
-// payload is fetched over the network. By CMA (a peer on this host) one message at a time:
-// there the copy is this process's own work (process_vm_readv, one thread), so fetching more
-// at once only spreads it over more receive buffers, and a copy into memory that is no
-// longer in cache costs more. Measured at 1 MiB, netio3-perf zero-copy --same-buffer between
-// two processes, alternated: 13.6 GB/s one at a time (the receive pool hands back the buffer
-// just released), 10.3 GB/s with 64 MiB at once (see docs/ucx.md).
+// Rendezvous bytes a connection receives at once at most (beyond one message).
 constexpr std::size_t RECEIVE_WINDOW = std::size_t{64} << 20U;
 // A backend's destruction: how long the endpoints' closes may take at least, after the
 // sends had close_timeout to complete.
@@ -144,7 +138,6 @@ struct Endpoint {
   std::vector<std::weak_ptr<Connection>> users;         // the connections sending on it
   std::chrono::steady_clock::time_point last_progress;  // a send on it completed
   bool proven{false};  // a READY came from the peer worker: it speaks UCX with us
-  bool by_cma{false};  // large messages between the two workers go by CMA (one host)
   bool failed{false};
   bool closing{false};
 };
@@ -218,7 +211,6 @@ struct Connection : detail::ConnectionBase {
   std::uint64_t rx_next{0};
   std::size_t receiving{0};
   std::size_t receiving_bytes{0};
-  bool by_cma{false};  // its endpoint's: one rendezvous received at a time (RECEIVE_WINDOW)
   bool dirty{false};
   bool failed{false};      // a protocol error is being reported: ignore what follows
   std::string peer_error;  // the peer is gone; closed once what arrived is delivered
