@@ -351,6 +351,7 @@ struct LingeringSockets::State {
     Socket socket;
     FdHandle handle;
     std::chrono::steady_clock::time_point deadline;
+    bool awaited{false};
   };
   BaseEventLoop* loop{nullptr};
   std::chrono::milliseconds timeout{};
@@ -358,17 +359,19 @@ struct LingeringSockets::State {
   EventTimerHandle timer;
   bool armed{false};
 
-  void readable(std::list<Entry>::iterator it) {
+  // Returns whether the entry is gone (the peer is done).
+  bool readable(std::list<Entry>::iterator it) {
     std::array<std::uint8_t, 4096> sink{};
     for (int i = 0; i < 16; ++i) {
       const ssize_t n = ::recv(it->socket.get(), sink.data(), sink.size(), MSG_DONTWAIT);
       if (n > 0) continue;  // discarded
-      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
+      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return false;
       if (n < 0 && errno == EINTR) continue;
       break;  // EOF or error: the peer is done
     }
     it->handle.close();
     entries.erase(it);
+    return true;
   }
 
   void expire() {
@@ -402,14 +405,14 @@ LingeringSockets::~LingeringSockets() {
   close_all();
 }
 
-void LingeringSockets::add(Socket socket) {
+void LingeringSockets::add(Socket socket, bool awaited) {
   if (!socket.valid()) return;
   if (::shutdown(socket.get(), SHUT_WR) != 0) {
     drain_and_close(socket);
     return;
   }
   auto& state = *m_state;
-  state.entries.push_back(State::Entry{std::move(socket), {}, {}});
+  state.entries.push_back(State::Entry{std::move(socket), {}, {}, awaited});
   auto it = std::prev(state.entries.end());
   it->deadline = std::chrono::steady_clock::now() + state.timeout;
   std::weak_ptr<State> weak = m_state;
@@ -431,6 +434,18 @@ void LingeringSockets::add(Socket socket) {
     state.armed = true;
     state.timer.start(std::chrono::milliseconds{100});
   }
+}
+
+std::size_t LingeringSockets::reap_awaited() noexcept {
+  if (!m_state) return 0;
+  std::size_t left = 0;
+  auto& entries = m_state->entries;
+  for (auto it = entries.begin(); it != entries.end();) {
+    const auto next = std::next(it);
+    if (it->awaited && !m_state->readable(it)) ++left;
+    it = next;
+  }
+  return left;
 }
 
 void LingeringSockets::close_all() noexcept {

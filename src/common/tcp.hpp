@@ -196,8 +196,12 @@ class LingeringSockets {
   ~LingeringSockets();
 
   // Half-closes `socket` and keeps it until the peer closes; a socket that cannot be
-  // half-closed is closed at once.
-  void add(Socket socket);
+  // half-closed is closed at once. An `awaited` one is one whose end the backend's shutdown
+  // waits for (reap_awaited).
+  void add(Socket socket, bool awaited = false);
+  // Reads what the awaited sockets hold, without the event loop, and closes those whose peer
+  // has closed; returns how many awaited ones are left.
+  std::size_t reap_awaited() noexcept;
   // Closes them all (backend shutdown).
   void close_all() noexcept;
   [[nodiscard]] std::size_t size() const noexcept;

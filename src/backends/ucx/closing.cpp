@@ -50,7 +50,9 @@ void Backend::close_transport(const std::shared_ptr<Connection>& conn) {
     }
     drop_control(*conn);
   } else {
-    linger_control(*conn);
+    // After a local close with messages sent, the peer ends its side of the control channel
+    // once it has them all; the shutdown waits for that before it lets go of the endpoint.
+    linger_control(*conn, ending.cause == CloseCause::LOCAL && ending.was_open && sent(*conn) > 0);
   }
   NETIO3_DEBUG("ucx: closing connection with {} ({})", conn->remote, ending.reason);
   m_close_deadlines->track(conn);

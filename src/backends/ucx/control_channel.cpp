@@ -377,7 +377,7 @@ void Backend::drop_control(Connection& conn) noexcept {
   detail::drain_and_close(conn.control);
 }
 
-void Backend::linger_control(Connection& conn) {
+void Backend::linger_control(Connection& conn, bool awaited) {
   {
     const std::lock_guard lock{conn.mutex};
     conn.control_fd.close();
@@ -387,7 +387,7 @@ void Backend::linger_control(Connection& conn) {
     detail::drain_and_close(conn.control);
     return;
   }
-  if (conn.control.valid()) m_lingering->add(std::move(conn.control));
+  if (conn.control.valid()) m_lingering->add(std::move(conn.control), awaited);
 }
 
 std::shared_ptr<Endpoint> Backend::acquire_endpoint(std::span<const std::uint8_t> address,

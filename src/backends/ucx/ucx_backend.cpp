@@ -167,7 +167,16 @@ void Backend::shutdown() noexcept {
     }
     drop_control(*conn);
   }
-  if (m_lingering) m_lingering->close_all();
+  // Connections closed here before with messages sent: their peers end the control channel
+  // once every message arrived. Until then the endpoints stay: UCX over tcp may carry the two
+  // directions to a peer on two sockets (when the peer's UCX address is that of an earlier
+  // process this worker talked to, the two sides' numbering of their connections disagrees),
+  // and a peer that sees one of them end fails the endpoint and drops what is still unread on
+  // the other - the tail of the stream of a sender that exits after its close.
+  if (m_lingering) {
+    progress_until([&] { return m_lingering->reap_awaited() == 0; });
+    m_lingering->close_all();
+  }
   // Every endpoint is closed, gracefully where a connection still used it (a forced close
   // can lose what UCX reported sent), without callbacks. One that no connection uses any
   // more holds nothing in flight (the closes of its connections flushed it): it is closed at

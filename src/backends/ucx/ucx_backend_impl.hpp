@@ -352,8 +352,9 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
   void drop_control(Connection& conn) noexcept;
 
   // Hands the control socket to the lingering set after an orderly close: our FIN is sent,
-  // what the peer still sends is read until it closes too.
-  void linger_control(Connection& conn);
+  // what the peer still sends is read until it closes too. `awaited`: the shutdown waits for
+  // the peer's end (it follows the last message the peer was told to expect).
+  void linger_control(Connection& conn, bool awaited);
 
   // ---- endpoints ---------------------------------------------------------------------
 
