@@ -367,11 +367,11 @@ struct LingeringSockets::State {
       if (n > 0) continue;  // discarded
       if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return false;
       if (n < 0 && errno == EINTR) continue;
-      break;  // EOF or error: the peer is done
+      it->handle.close();  // EOF or error: the peer is done
+      entries.erase(it);
+      return true;
     }
-    it->handle.close();
-    entries.erase(it);
-    return true;
+    return false;  // still sending: read on at the next turn (or until the deadline)
   }
 
   void expire() {

@@ -77,13 +77,14 @@ TEST_P(PeerRestarted, TheNewProcessAtTheSameUcxAddressDeliversEveryMessage) {
   int reused = 0;
   for (int round = 0; round < MAX_ROUNDS && reused < ROUNDS; ++round) {
     SCOPED_TRACE(fmt::format("round {}", round));
-    // The peers' UCX tcp interface listens on a free port (bound to port 0 and read back).
-    const std::uint16_t peer_port = test::unused_port();
     Side side{BackendType::UCX, kase.size, {}, kase.network};
     std::vector<std::uint8_t> no_region;
     const ConnectionParameters params = connection_params(SendMode::COPY, kase.size, no_region);
     const EndPointAddress listen =
         side.backend->open_listen_endpoint({test::test_address(), 0}, params);
+    // The peers' UCX tcp interface listens on a free port (bound to port 0 and read back;
+    // after this process's UCX has taken its own).
+    const std::uint16_t peer_port = test::unused_port();
     std::vector<std::unique_ptr<test::BoundSocket>> held;  // the peers' control addresses
     for (std::uint64_t stream = 1; stream <= 2; ++stream) {
       // The first peer's connection may have left its port in TIME_WAIT (UCX closes one of

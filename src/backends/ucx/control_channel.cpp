@@ -343,8 +343,16 @@ void Backend::on_hello(const std::shared_ptr<Connection>& conn,
 }
 
 void Backend::on_control_end(const std::shared_ptr<Connection>& conn, const std::string& how) {
+  if (conn->peer_total) {
+    // After CLOSE: the messages it announced are still arriving. The socket stays, no longer
+    // watched (its end stays readable), until this side closes after the last of them: only
+    // then does the peer see this side's end (linger_control), and a peer that is shutting
+    // down waits for it before it lets go of its UCX endpoint (see shutdown()).
+    const std::lock_guard lock{conn->mutex};
+    conn->control_fd.close();
+    return;
+  }
   drop_control(*conn);
-  if (conn->peer_total) return;  // after CLOSE: its messages are still arriving
   if (conn->phase != Phase::OPEN) {
     close(conn, how, CloseCause::ERROR);
     return;

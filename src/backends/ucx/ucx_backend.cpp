@@ -82,7 +82,9 @@ void Backend::start() {
         if (auto self = weak.lock()) self->peer_close_timed_out(conn);
       },
       "the peer's close", false);
-  m_lingering.emplace(*m_loop, LINGER_TIMEOUT);
+  // At least close_timeout: the shutdown waits that long for the ends it awaits.
+  m_lingering.emplace(
+      *m_loop, std::max<std::chrono::milliseconds>(LINGER_TIMEOUT, m_config.limits.close_timeout));
 }
 
 void Backend::shutdown() noexcept {
