@@ -8,10 +8,7 @@ void Backend::close_transport(const std::shared_ptr<Connection>& conn) {
   m_closing.emplace(conn->id, conn);  // kept until UCX is done with it
   const auto& ending = conn->ending_info;
   // What arrived but was not delivered is dropped; receives in flight finish first.
-  for (auto& slot : conn->inbox) {
-    if (slot.stage != Incoming::Stage::RECEIVING) release(*conn, slot);
-    slot.stage = Incoming::Stage::DROPPED;
-  }
+  for (auto& slot : conn->inbox) discard(*conn, slot);
   if (ending.cause == CloseCause::LOCAL && ending.was_open) {
     // BYE ends the stream on UCX; CLOSE on the control channel says how many messages
     // to expect, which also covers a BYE that could not be sent.

@@ -605,6 +605,54 @@ void Backend::handle_message(const std::shared_ptr<Connection>& conn, const Inco
   (void)deliver(*conn, std::span<const std::uint8_t>{message.data, message.length});
 }
 
+bool Backend::discard_area() noexcept {
+  if (m_discard) return true;
+  try {
+    m_discard = std::make_unique_for_overwrite<std::uint8_t[]>(m_config.limits.max_message_size);
+  } catch (const std::bad_alloc&) {
+    NETIO3_WARN("ucx: no memory ({} bytes) to drop rendezvous messages through",
+                m_config.limits.max_message_size);
+    return false;
+  }
+  return true;
+}
+
+void Backend::discard(Connection& conn, Incoming& slot) {
+  if (slot.stage == Incoming::Stage::RNDV && slot.desc != nullptr && m_worker && safe() &&
+      discard_area()) {
+    // A rendezvous message never fetched is fetched now and thrown away, not given back with
+    // ucp_am_data_release: UCX 1.13 sends the sender's acknowledgement from there out of the
+    // worker's request pool without the worker's lock, which races a thread sending on the
+    // same worker (SAFE mode; seen under ASan: ucp_request.inl:216 assertion and a heap
+    // overflow in a rendezvous header). ucp_am_recv_data_nbx takes the lock. With only the
+    // loop thread in UCX (UNSAFE) there is no race and no fetch. All such fetches share one
+    // scratch area of max_message_size (allocated at the first, touched only as far as the
+    // largest message; on_message bounds every length by that limit).
+    ucp_request_param_t param{};
+    param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                         UCP_OP_ATTR_FIELD_DATATYPE | UCP_OP_ATTR_FIELD_RECV_INFO;
+    std::size_t received = 0;
+    param.cb.recv_am = &Backend::receive_callback;
+    param.user_data = &slot;
+    param.datatype = ucp_dt_make_contig(1);
+    param.recv_info.length = &received;
+    slot.stage = Incoming::Stage::DROPPED;  // finish_receive releases it
+    slot.conn = &conn;
+    slot.data = nullptr;
+    void* desc = std::exchange(slot.desc, nullptr);
+    ++conn.receiving;
+    conn.receiving_bytes += slot.length;
+    void* const request =
+        ucp_am_recv_data_nbx(m_worker->get(), desc, m_discard.get(), slot.length, &param);
+    if (request == nullptr || UCS_PTR_IS_ERR(request)) {
+      finish_receive(slot, request == nullptr ? UCS_OK : UCS_PTR_STATUS(request), received);
+    }
+    return;
+  }
+  if (slot.stage != Incoming::Stage::RECEIVING) release(conn, slot);
+  slot.stage = Incoming::Stage::DROPPED;
+}
+
 void Backend::release(Connection& conn, Incoming& message) {
   // After a shutdown (a callback destroyed the backend) the worker and its data are gone.
   if (message.desc != nullptr && m_worker) ucp_am_data_release(m_worker->get(), message.desc);

@@ -189,12 +189,19 @@ void Backend::shutdown() noexcept {
   // peer that does not fetch them: stopped, hung) is closed by force, which ends them: UCX
   // 1.13 aborts the process when a worker is destroyed with such a request on an endpoint
   // (ucp_ep_destroy_base asserts that the endpoint's protocol requests are gone).
+  // A receive still in flight (a rendezvous the peer does not serve: stopped, hung) belongs
+  // to a connection that may have left its endpoint's users already (closed, its message
+  // being discarded): every endpoint is then closed by force, for the same reason.
+  const bool receiving = std::any_of(conns.begin(), conns.end(), [](const auto& c) {
+    const std::lock_guard lock{c->mutex};
+    return c->receiving > 0;
+  });
   std::vector<void*> closing;
   for (const auto& [id, endpoint] : m_endpoints) {
     if (endpoint->closing || endpoint->handle == nullptr) continue;
     endpoint->closing = true;
     bool idle = true;
-    bool busy = false;
+    bool busy = receiving;
     for (const auto& user : endpoint->users) {
       const auto conn = user.lock();
       if (!conn) continue;

@@ -471,6 +471,13 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
   // Gives back what a message holds (UCX data, a pool buffer, heap memory).
   void release(Connection& conn, Incoming& message);
 
+  // Drops a message of a closing connection: a rendezvous one not yet fetched is fetched
+  // into scratch memory (see there), a receive in flight ends as it will; either way the
+  // slot is DROPPED and released when its receive completes.
+  void discard(Connection& conn, Incoming& slot);
+  // m_discard, allocated at the first use; false (logged) where it cannot be.
+  bool discard_area() noexcept;
+
   // ---- closing (detail::TransportOf) ---------------------------------------------------
 
  public:
@@ -533,6 +540,9 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
 
   const TransportChoice m_transports;
   std::mutex m_worker_mutex;         // ensure_worker
+  // Where discarded rendezvous messages are fetched (discard); declared before the worker,
+  // so that it outlives whatever fetch the worker still holds.
+  std::unique_ptr<std::uint8_t[]> m_discard;
   std::unique_ptr<Worker> m_worker;  // set once, before anything that uses it is registered
   std::string m_devices_interface;   // the interface UCX was restricted to, if any
   WorkerAddressInfo m_own_address;   // of m_worker (set with it)
