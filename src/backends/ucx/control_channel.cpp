@@ -321,6 +321,7 @@ void Backend::on_hello(const std::shared_ptr<Connection>& conn,
   }
   endpoint->users.push_back(conn);
   conn->greeted = true;
+  conn->by_cma = endpoint->by_cma;
   {
     const std::lock_guard lock{conn->mutex};
     conn->ep = std::move(endpoint);
@@ -406,12 +407,14 @@ std::shared_ptr<Endpoint> Backend::acquire_endpoint(std::span<const std::uint8_t
   // Bulk data by CMA only where the kernel lets both processes read each other; else the
   // endpoint is made as if the peer had no CMA (its large messages go over tcp).
   std::vector<std::uint8_t> without_cma;
-  if (const auto refusal = cma_refusal(info, m_own_address); !refusal.empty()) {
+  const auto refusal = cma_refusal(info, m_own_address);
+  if (!refusal.empty()) {
     NETIO3_INFO("ucx: connection with {}: large messages by tcp, not CMA: {}", remote, refusal);
     without_cma = without_transport(address, info, m_own_address, cma_checksum());
     address = without_cma;
   }
   auto endpoint = std::make_shared<Endpoint>(++m_endpoint_ids, peer);
+  endpoint->by_cma = refusal.empty() && cma_on_one_host(info, m_own_address);
   endpoint->backend = this;
   endpoint->last_progress = std::chrono::steady_clock::now();
   // UCX reads the address without knowing its length: a copy with room behind it, so that

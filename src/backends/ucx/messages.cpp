@@ -518,11 +518,6 @@ void Backend::service_inbox(const std::shared_ptr<Connection>& conn) {
     if (!established(conn, capabilities(*conn))) return;
   }
   if (conn->phase != Phase::OPEN) return;
-  for (auto& slot : conn->inbox) {
-    if (slot.stage != Incoming::Stage::RNDV) continue;
-    if (conn->receiving > 0 && conn->receiving_bytes + slot.length > RECEIVE_WINDOW) break;
-    start_receive(*conn, slot);
-  }
   while (!conn->inbox.empty()) {
     Incoming& front = conn->inbox.front();
     if (front.stage != Incoming::Stage::READY && front.stage != Incoming::Stage::FAILED) break;
@@ -538,6 +533,19 @@ void Backend::service_inbox(const std::shared_ptr<Connection>& conn) {
       advance_close(conn);
       return;
     }
+  }
+  // Then the rendezvous messages are fetched: after the deliveries, so that the buffers they
+  // released (the most recent first, still in cache) take the next payloads. Not once the
+  // peer's endpoint failed: the connection closes below (discarding them), and by CMA a fetch
+  // would read memory the sender may have reused since its sends ended.
+  const std::size_t window = conn->by_cma ? 0 : RECEIVE_WINDOW;
+  for (auto& slot : conn->inbox) {
+    if (!conn->peer_error.empty()) break;
+    if (slot.stage != Incoming::Stage::RNDV) continue;
+    if (conn->receiving > 0 && conn->receiving_bytes + slot.length > window) break;
+    start_receive(*conn, slot);
+    // One that completed at once is delivered first, on the next pass (mark_dirty).
+    if (conn->by_cma) break;
   }
   if (conn->peer_total && conn->rx_next >= *conn->peer_total) {
     close(conn, "peer closed the connection", CloseCause::PEER);

@@ -582,20 +582,29 @@ bool may_read(const Credentials& reader, const Credentials& target, bool target_
 
 }  // namespace
 
-std::string cma_refusal(const WorkerAddressInfo& peer, const WorkerAddressInfo& own) {
-  const auto cma = [](const WorkerAddressInfo& info) {
-    return std::find_if(info.transports.begin(), info.transports.end(),
-                        [](const auto& t) { return t.name_checksum == cma_checksum(); });
-  };
-  const auto theirs = cma(peer);
-  const auto ours = cma(own);
-  if (theirs == peer.transports.end() || ours == own.transports.end()) return {};
+namespace {
+
+const WorkerAddressInfo::Transport* find_cma(const WorkerAddressInfo& info) {
+  const auto it = std::find_if(info.transports.begin(), info.transports.end(),
+                               [](const auto& t) { return t.name_checksum == cma_checksum(); });
+  return it == info.transports.end() ? nullptr : &*it;
+}
+
+}  // namespace
+
+bool cma_on_one_host(const WorkerAddressInfo& peer, const WorkerAddressInfo& own) {
+  const auto* const theirs = find_cma(peer);
+  const auto* const ours = find_cma(own);
   // The device address is the host's id (and the IPC namespace's): another host's CMA is
   // unreachable for UCX.
-  if (!std::equal(theirs->device.begin(), theirs->device.end(), ours->device.begin(),
-                  ours->device.end())) {
-    return {};
-  }
+  return theirs != nullptr && ours != nullptr &&
+         std::equal(theirs->device.begin(), theirs->device.end(), ours->device.begin(),
+                    ours->device.end());
+}
+
+std::string cma_refusal(const WorkerAddressInfo& peer, const WorkerAddressInfo& own) {
+  if (!cma_on_one_host(peer, own)) return {};
+  const auto* const theirs = find_cma(peer);
   if (theirs->iface.size() < sizeof(std::uint32_t)) return "the peer's CMA address is too short";
   std::uint32_t id = 0;
   std::memcpy(&id, theirs->iface.data(), sizeof(id));

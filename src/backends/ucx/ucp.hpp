@@ -128,6 +128,9 @@ struct WorkerAddressInfo {
 // CAP_SYS_PTRACE in the peer; from /proc/<pid>/status). Reads procfs: call it only when an
 // endpoint is made.
 [[nodiscard]] std::string cma_refusal(const WorkerAddressInfo& peer, const WorkerAddressInfo& own);
+// Whether both addresses name CMA on one host (the same device address): UCX moves the large
+// messages between them by CMA unless cma_refusal says otherwise.
+[[nodiscard]] bool cma_on_one_host(const WorkerAddressInfo& peer, const WorkerAddressInfo& own);
 
 // A copy of the worker address `address` (described by `info`) in which the transports
 // with `name_checksum` carry a name no transport of `own` has: UCX ignores them when it

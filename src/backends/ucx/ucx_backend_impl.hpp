@@ -53,7 +53,11 @@ constexpr std::size_t CONTROL_OPS = 2;
 constexpr std::size_t MAX_IOV = 16;
 // Messages a connection may hold back for ordering (behind an unfinished rendezvous).
 constexpr std::uint64_t MAX_REORDER = std::uint64_t{1} << 16U;
-// Rendezvous bytes a connection receives at once at most (beyond one message).
+// Rendezvous bytes a connection receives at once at most (beyond one message), where the
+// payload is fetched over the network. By CMA (a peer on this host) one message at a time:
+// there the copy is this process's own work (process_vm_readv, one thread), so fetching more
+// at once only spreads it over more receive buffers, and a copy into memory that is no
+// longer in cache costs more (docs/ucx.md, "The receiver's copy").
 constexpr std::size_t RECEIVE_WINDOW = std::size_t{64} << 20U;
 // A backend's destruction: how long the endpoints' closes may take at least, after the
 // sends had close_timeout to complete.
@@ -138,6 +142,7 @@ struct Endpoint {
   std::vector<std::weak_ptr<Connection>> users;         // the connections sending on it
   std::chrono::steady_clock::time_point last_progress;  // a send on it completed
   bool proven{false};  // a READY came from the peer worker: it speaks UCX with us
+  bool by_cma{false};  // large messages between the two workers go by CMA (one host)
   bool failed{false};
   bool closing{false};
 };
@@ -211,6 +216,7 @@ struct Connection : detail::ConnectionBase {
   std::uint64_t rx_next{0};
   std::size_t receiving{0};
   std::size_t receiving_bytes{0};
+  bool by_cma{false};  // its endpoint's: one rendezvous received at a time (RECEIVE_WINDOW)
   bool dirty{false};
   bool failed{false};      // a protocol error is being reported: ignore what follows
   std::string peer_error;  // the peer is gone; closed once what arrived is delivered
@@ -539,7 +545,7 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
   void release_if_idle(const std::shared_ptr<Connection>& conn);
 
   const TransportChoice m_transports;
-  std::mutex m_worker_mutex;         // ensure_worker
+  std::mutex m_worker_mutex;  // ensure_worker
   // Where discarded rendezvous messages are fetched (discard); declared before the worker,
   // so that it outlives whatever fetch the worker still holds.
   std::unique_ptr<std::uint8_t[]> m_discard;
