@@ -557,32 +557,39 @@ void Backend::service_inbox(const std::shared_ptr<Connection>& conn) {
 }
 
 void Backend::start_receive(Connection& conn, Incoming& slot) {
-  ucp_request_param_t param{};
-  param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
-                       UCP_OP_ATTR_FIELD_DATATYPE | UCP_OP_ATTR_FIELD_RECV_INFO;
   NetworkBuffer* buffer = nullptr;
   const std::size_t total = slot.prefix_len + slot.length;
   if (conn.recv && total <= conn.recv->pool.buf_size()) buffer = conn.recv->pool.acquire();
   std::uint8_t* start = nullptr;
+  std::optional<ucp_mem_h> memh;
   if (buffer != nullptr) {
     slot.buffer = buffer;
     start = buffer->data();
-    param.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
-    param.memh = conn.recv->map.get();
+    memh = conn.recv->map.get();
   } else {
     slot.heap = std::make_unique_for_overwrite<std::uint8_t[]>(std::max<std::size_t>(total, 1));
     start = slot.heap.get();
   }
   if (slot.prefix_len > 0) std::memcpy(start, slot.prefix.data(), slot.prefix_len);
-  void* target = start + slot.prefix_len;
+  slot.stage = Incoming::Stage::RECEIVING;
+  slot.data = start;
+  fetch(conn, slot, start + slot.prefix_len, memh);
+}
+
+void Backend::fetch(Connection& conn, Incoming& slot, void* target, std::optional<ucp_mem_h> memh) {
+  ucp_request_param_t param{};
+  param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                       UCP_OP_ATTR_FIELD_DATATYPE | UCP_OP_ATTR_FIELD_RECV_INFO;
+  if (memh) {
+    param.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
+    param.memh = *memh;
+  }
   std::size_t received = 0;
   param.cb.recv_am = &Backend::receive_callback;
   param.user_data = &slot;
   param.datatype = ucp_dt_make_contig(1);
   param.recv_info.length = &received;
-  slot.stage = Incoming::Stage::RECEIVING;
   slot.conn = &conn;
-  slot.data = start;
   void* desc = std::exchange(slot.desc, nullptr);
   ++conn.receiving;
   conn.receiving_bytes += slot.length;
@@ -636,25 +643,9 @@ void Backend::discard(Connection& conn, Incoming& slot) {
     // loop thread in UCX (UNSAFE) there is no race and no fetch. All such fetches share one
     // scratch area of max_message_size (allocated at the first, touched only as far as the
     // largest message; on_message bounds every length by that limit).
-    ucp_request_param_t param{};
-    param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
-                         UCP_OP_ATTR_FIELD_DATATYPE | UCP_OP_ATTR_FIELD_RECV_INFO;
-    std::size_t received = 0;
-    param.cb.recv_am = &Backend::receive_callback;
-    param.user_data = &slot;
-    param.datatype = ucp_dt_make_contig(1);
-    param.recv_info.length = &received;
     slot.stage = Incoming::Stage::DROPPED;  // finish_receive releases it
-    slot.conn = &conn;
     slot.data = nullptr;
-    void* desc = std::exchange(slot.desc, nullptr);
-    ++conn.receiving;
-    conn.receiving_bytes += slot.length;
-    void* const request =
-        ucp_am_recv_data_nbx(m_worker->get(), desc, m_discard.get(), slot.length, &param);
-    if (request == nullptr || UCS_PTR_IS_ERR(request)) {
-      finish_receive(slot, request == nullptr ? UCS_OK : UCS_PTR_STATUS(request), received);
-    }
+    fetch(conn, slot, m_discard.get(), std::nullopt);
     return;
   }
   if (slot.stage != Incoming::Stage::RECEIVING) release(conn, slot);
