@@ -561,7 +561,7 @@ void Backend::start_receive(Connection& conn, Incoming& slot) {
   const std::size_t total = slot.prefix_len + slot.length;
   if (conn.recv && total <= conn.recv->pool.buf_size()) buffer = conn.recv->pool.acquire();
   std::uint8_t* start = nullptr;
-  std::optional<ucp_mem_h> memh;
+  ucp_mem_h memh = nullptr;
   if (buffer != nullptr) {
     slot.buffer = buffer;
     start = buffer->data();
@@ -576,13 +576,13 @@ void Backend::start_receive(Connection& conn, Incoming& slot) {
   fetch(conn, slot, start + slot.prefix_len, memh);
 }
 
-void Backend::fetch(Connection& conn, Incoming& slot, void* target, std::optional<ucp_mem_h> memh) {
+void Backend::fetch(Connection& conn, Incoming& slot, void* target, ucp_mem_h memh) {
   ucp_request_param_t param{};
   param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
                        UCP_OP_ATTR_FIELD_DATATYPE | UCP_OP_ATTR_FIELD_RECV_INFO;
-  if (memh) {
+  if (memh != nullptr) {
     param.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
-    param.memh = *memh;
+    param.memh = memh;
   }
   std::size_t received = 0;
   param.cb.recv_am = &Backend::receive_callback;
@@ -645,7 +645,7 @@ void Backend::discard(Connection& conn, Incoming& slot) {
     // largest message; on_message bounds every length by that limit).
     slot.stage = Incoming::Stage::DROPPED;  // finish_receive releases it
     slot.data = nullptr;
-    fetch(conn, slot, m_discard.get(), std::nullopt);
+    fetch(conn, slot, m_discard.get(), nullptr);
     return;
   }
   if (slot.stage != Incoming::Stage::RECEIVING) release(conn, slot);

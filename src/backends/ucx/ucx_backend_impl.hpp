@@ -471,9 +471,10 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
   void service_inbox(const std::shared_ptr<Connection>& conn);
 
   void start_receive(Connection& conn, Incoming& slot);
-  // The receive of `slot`'s rendezvous payload into `target` (registered as `memh`, where
-  // given); its stage is set by the caller. It completes in finish_receive.
-  void fetch(Connection& conn, Incoming& slot, void* target, std::optional<ucp_mem_h> memh);
+  // The receive of `slot`'s rendezvous payload into `target` (registered as `memh` unless
+  // null, as post() takes it); its stage is set by the caller. It completes in
+  // finish_receive.
+  void fetch(Connection& conn, Incoming& slot, void* target, ucp_mem_h memh);
 
   void handle_message(const std::shared_ptr<Connection>& conn, const Incoming& message);
 
