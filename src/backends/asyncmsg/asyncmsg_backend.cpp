@@ -293,7 +293,7 @@ void Backend::on_socket_event(const std::shared_ptr<Connection>& conn, std::uint
     // CONNECTING: refused, and connecting again on a new socket.
     if (shut_down() || conn->ending() || conn->phase == Phase::CONNECTING) return;
   }
-  if ((events & EPOLLOUT) != 0) flush(conn);
+  if ((events & EPOLLOUT) != 0) flush(conn, std::chrono::steady_clock::now() + FLUSH_BUDGET);
 }
 
 void Backend::on_connect_done(const std::shared_ptr<Connection>& conn) {
@@ -382,7 +382,7 @@ void Backend::send_greeting(const std::shared_ptr<Connection>& conn) {
     conn->queue.append_copy(greeting);
     conn->flush_pending = true;
   }
-  flush(conn);
+  flush(conn, std::chrono::steady_clock::now() + FLUSH_BUDGET);
 }
 
 bool Backend::on_greeting(const std::shared_ptr<Connection>& conn, const Greeting& greeting) {
@@ -511,9 +511,14 @@ bool Backend::process_flush_list() {
     if (m_flush_list.empty()) return true;
     m_flush_work.swap(m_flush_list);
   }
+  const auto deadline = std::chrono::steady_clock::now() + FLUSH_BUDGET;
   for (const auto& conn : m_flush_work) {
     if (shut_down()) break;
-    flush(conn);
+    if (std::chrono::steady_clock::now() >= deadline) {
+      request_flush(conn);  // its turn comes on the next round of the loop
+    } else {
+      flush(conn, deadline);
+    }
   }
   m_flush_work.clear();
   const std::lock_guard lock{m_flush_mutex};
@@ -609,7 +614,8 @@ bool Backend::after_decode(const std::shared_ptr<Connection>& conn, FrameDecoder
   return false;
 }
 
-void Backend::flush(const std::shared_ptr<Connection>& conn) {
+void Backend::flush(const std::shared_ptr<Connection>& conn,
+                    std::chrono::steady_clock::time_point deadline) {
   std::array<iovec, MAX_IOV> iov{};
   // The lists of what one write finished are kept between calls, per thread (the loop's):
   // allocated in every call, a write of thousands of small messages freed its lists and
@@ -644,7 +650,9 @@ void Backend::flush(const std::shared_ptr<Connection>& conn) {
       // Once the application asked to close, nothing more is handed to the kernel: what
       // was queued at that moment is reported as cancelled, deterministically.
       if (!conn->close_requested.load(std::memory_order_relaxed)) {
-        count = conn->queue.gather(iov.data(), iov.size(), MAX_WRITE_BYTES);
+        count = conn->queue.gather(
+            iov.data(), iov.size(),
+            std::min(MAX_WRITE_BYTES, conn->queue.bytes_for_messages(MESSAGES_PER_WRITE)));
       }
       if (count == 0) conn->flush_pending = false;
     }
@@ -681,8 +689,10 @@ void Backend::flush(const std::shared_ptr<Connection>& conn) {
     for (const auto& done : finished_sends) {
       if (!completed(*conn, done)) return;
     }
+    if (std::chrono::steady_clock::now() >= deadline) break;
   }
-  // Still data after a full round: give other connections a turn, come back soon.
+  // Still data after a full round, or the time is up: give other connections and the
+  // loop's other work a turn, come back soon.
   request_flush(conn);
 }
 

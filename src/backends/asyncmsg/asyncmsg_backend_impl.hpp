@@ -58,6 +58,13 @@ constexpr std::size_t MAX_WRITE_BYTES = std::size_t{16} << 20U;
 // Per readiness event, so that one busy connection cannot starve the others.
 constexpr int READS_PER_EVENT = 8;
 constexpr int WRITES_PER_FLUSH = 8;
+// What one flush may report, so that a loop whose completion callbacks are slower than the
+// application's sending threads still turns to its timers and descriptors (a write of 16 MiB
+// of 64-byte copy sends ended 240,000 messages, each with a callback; a flood kept a loop
+// away from its timers for 12 s): messages per write, and the time after which a flush, or
+// the list of connections to flush, stops and comes back on the next round of the loop.
+constexpr std::size_t MESSAGES_PER_WRITE = 4096;
+constexpr auto FLUSH_BUDGET = std::chrono::milliseconds{2};
 constexpr int ACCEPTS_PER_EVENT = 64;
 // After a local close the socket sends FIN and keeps reading (and discarding) until the
 // peer closes too, so that unread input cannot turn the close into a RST that would
@@ -305,7 +312,8 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
   // Handles a decoder status on an open connection; false if the connection stopped.
   bool after_decode(const std::shared_ptr<Connection>& conn, FrameDecoder::Status status);
 
-  void flush(const std::shared_ptr<Connection>& conn);
+  void flush(const std::shared_ptr<Connection>& conn,
+             std::chrono::steady_clock::time_point deadline);
 
   // Hands the socket to the lingering set: our FIN is sent, what the peer still sends is
   // read and dropped until it closes too (or LINGER_TIMEOUT).

@@ -100,6 +100,12 @@ std::size_t SendQueue::gather(iovec* iov, std::size_t max_iov, std::size_t max_b
   return count;
 }
 
+std::size_t SendQueue::bytes_for_messages(std::size_t messages) const noexcept {
+  if (messages == 0) return 0;
+  if (m_marks.size() < messages) return static_cast<std::size_t>(m_appended - m_written);
+  return static_cast<std::size_t>(m_marks[messages - 1].end - m_written);
+}
+
 void SendQueue::consume(std::size_t n, std::vector<detail::SendLedger::Ticket>& finished) {
   m_written += n;
   while (n > 0 && !m_segments.empty()) {

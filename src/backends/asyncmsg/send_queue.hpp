@@ -70,6 +70,10 @@ class SendQueue {
 
   // Fills up to max_iov iovecs (at most max_bytes in total) from the head.
   std::size_t gather(iovec* iov, std::size_t max_iov, std::size_t max_bytes) const;
+  // Bytes from the head to the end of the `messages`-th message not yet written (the whole
+  // queue when fewer are queued): a write of at most that many bytes ends at most that many
+  // messages (copy sends share staging segments, so iovecs alone do not bound them).
+  [[nodiscard]] std::size_t bytes_for_messages(std::size_t messages) const noexcept;
   // The kernel took n bytes; appends the tickets of messages now fully written. Chunks
   // no segment points into any more go back to the cache.
   void consume(std::size_t n, std::vector<detail::SendLedger::Ticket>& finished);

@@ -348,13 +348,15 @@ bool Backend::progress() {
   if (m_progressing || shut_down() || !m_worker) return false;
   m_progressing = true;
   bool active = false;
+  const auto deadline = std::chrono::steady_clock::now() + PROGRESS_BUDGET;
   for (int round = 0; round < PROGRESS_ROUNDS; ++round) {
     const unsigned n = ucp_worker_progress(m_worker->get());
     const bool work = has_work();
     active = active || n != 0 || work;
-    dispatch();
+    dispatch(deadline);
     if (shut_down()) return active;  // the backend is going: leave the flag set
     if (n == 0 && !has_work()) break;
+    if (std::chrono::steady_clock::now() >= deadline) break;  // has_work(): back at once
   }
   m_progressing = false;
   return active;
@@ -385,8 +387,9 @@ bool Backend::may_sleep() {
   return true;
 }
 
-void Backend::dispatch() {
+void Backend::dispatch(std::chrono::steady_clock::time_point deadline) {
   for (int guard = 0; guard < 1024 && !shut_down(); ++guard) {
+    if (guard > 0 && std::chrono::steady_clock::now() >= deadline) return;
     // The spare vectors keep their capacity from round to round: recording an event
     // does not allocate once the queues have grown (a nested dispatch, from a callback
     // that progresses, finds them taken and starts empty ones).

@@ -62,8 +62,15 @@ constexpr std::size_t RECEIVE_WINDOW = std::size_t{64} << 20U;
 // A backend's destruction: how long the endpoints' closes may take at least, after the
 // sends had close_timeout to complete.
 constexpr auto CLOSE_PROGRESS = std::chrono::milliseconds{500};
-// Per wake-up: progress calls before the loop turns to other work.
+// Per wake-up: progress calls before the loop turns to other work, and the time they may
+// take. In SAFE mode sender threads keep adding completions while the loop reports them (a
+// send completed at once is an event; its callback frees what lets the next send start):
+// without a time limit a loop whose callbacks are slow stays in the worker's progress and
+// its timers and other descriptors wait (under TSan it kept a loop from reading its control
+// channel for more than peer_timeout, and the peer closed the connection as silent). Past
+// the budget the loop polls its descriptors (without sleeping) and comes back.
 constexpr int PROGRESS_ROUNDS = 64;
+constexpr auto PROGRESS_BUDGET = std::chrono::milliseconds{2};
 // Copy sends' staging memory a connection keeps for reuse (beyond it, freed after use).
 constexpr std::size_t STAGING_BUDGET = std::size_t{8} << 20U;
 // Staging memory from this size on is mapped (ucp_mem_map) when allocated, so that UCX can
@@ -456,8 +463,9 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
   // The prepare hook: true when the worker is armed and the loop may sleep on its fd.
   bool may_sleep();
 
-  // Handles recorded events and inboxes until none is left (a handler may add more).
-  void dispatch();
+  // Handles recorded events and inboxes until none is left (a handler, or a sending thread,
+  // may add more), or until `deadline`: what is left waits for the next call.
+  void dispatch(std::chrono::steady_clock::time_point deadline);
 
   void handle(Event& event);
 
