@@ -81,9 +81,14 @@ TEST_P(Fairness, ALoopFloodedWithCompletionsStillRunsItsTimers) {
     ++ticks;
     cv.notify_all();
   });
-  // Copy sends where the backend has them (asyncmsg packs many into one write, UCX ends
-  // them at once), buffered sends on libfabric (no copy sends: RDMA from registered memory).
-  const bool copy = type != BackendType::LIBFABRIC;
+  // Copy sends where the connection has them (asyncmsg packs many into one write, UCX ends
+  // them at once), else buffered sends (libfabric: RDMA from registered memory only).
+  const auto established = client_rec.snapshot();
+  const auto opened = std::find_if(established.begin(), established.end(), [](const auto& e) {
+    return e.kind == Recorder::Kind::ESTABLISHED;
+  });
+  ASSERT_NE(opened, established.end());
+  const bool copy = opened->caps.send_copy;
   std::atomic<bool> stop{false};
   std::vector<std::thread> senders;
   for (std::size_t i = 0; i < SENDERS; ++i) {
