@@ -18,6 +18,7 @@
 #include <netio3/netio3.hpp>
 
 #include "backends/ucx/ucp.hpp"
+#include "common/byte_order.hpp"
 #include "common/sockaddr.hpp"
 #include "test_support.hpp"
 
@@ -282,7 +283,7 @@ TEST(UcxAddress, OwnAddressesParseAndTruncationsAreRefused) {
     EXPECT_TRUE(parsed.uuid.has_value());
     EXPECT_FALSE(parsed.transports.empty());
     EXPECT_FALSE(ucx::impersonates(parsed, parsed)) << "an address does not impersonate itself";
-    EXPECT_EQ(ucx::check_same_host_transports(parsed, parsed), "");
+    EXPECT_EQ(ucx::check_transport_addresses(parsed, parsed), "");
     for (std::size_t n = 0; n < address.size(); ++n) {
       EXPECT_NE(ucx::parse_worker_address(address.first(n)).error, "") << "first " << n << " bytes";
     }
@@ -310,6 +311,60 @@ TEST(UcxAddress, OwnAddressesParseAndTruncationsAreRefused) {
     }
     std::cout << "[ address  ] " << to_string(mode) << ": " << address.size() << " bytes, "
               << parsed.transports.size() << " transports\n";
+  }
+}
+
+// UCX reads the transport addresses of a peer's worker address by their type, not their
+// lengths, and passes a part of length 0 as a null pointer: a HELLO whose worker address
+// named tcp for a transport without a device part crashed UCX in uct_tcp_iface_is_reachable
+// (seen once in CI: one of the hostile test's mutations of a real address). The check refuses
+// such tcp addresses, and tcp addresses whose flags or family do not match their length.
+TEST(UcxAddress, TransportAddressesUcxWouldMisreadAreRefused) {
+  const ucx::Worker worker{ucx::choose_transports(NetworkMode::RDMA), ThreadSafetyModel::SAFE, ""};
+  const std::vector<std::uint8_t> address(worker.address().begin(), worker.address().end());
+  const auto own = ucx::parse_worker_address(address);
+  ASSERT_EQ(own.error, "");
+  const std::uint16_t tcp = ucs_crc16_string("tcp");
+  const auto find = [&](const char* name) {
+    return std::find_if(own.transports.begin(), own.transports.end(),
+                        [&](const auto& t) { return t.name_checksum == ucs_crc16_string(name); });
+  };
+  const auto tcp_at = find("tcp");
+  if (tcp_at == own.transports.end()) GTEST_SKIP() << "UCX_TLS leaves out tcp";
+  // The parsed parts are views of `address`.
+  const auto offset = [&](std::span<const std::uint8_t> part) {
+    return static_cast<std::size_t>(part.data() - address.data());
+  };
+  const auto check = [&](const std::vector<std::uint8_t>& forged) {
+    const auto parsed = ucx::parse_worker_address(forged);
+    EXPECT_EQ(parsed.error, "") << "the forgery keeps the address's layout";
+    return ucx::check_transport_addresses(parsed, own);
+  };
+  EXPECT_EQ(check(address), "");
+  // Another transport's address under tcp's name: no device part at all (self's has none).
+  if (const auto self = find("self"); self != own.transports.end() && self->device.empty()) {
+    auto forged = address;
+    detail::store_le16(forged.data() + self->name_at, tcp);
+    EXPECT_NE(check(forged).find("tcp transport address with a device part of 0 bytes"),
+              std::string::npos)
+        << check(forged);
+  }
+  // The loopback flag turned over: the address after the family is read as the other kind.
+  {
+    auto forged = address;
+    forged[offset(tcp_at->device)] ^= 1U;
+    EXPECT_NE(check(forged).find("tcp transport address with a device part of"), std::string::npos)
+        << check(forged);
+  }
+  {
+    auto forged = address;
+    forged[offset(tcp_at->device) + 1] = 99;  // an address family UCX never packs
+    EXPECT_NE(check(forged).find("address family 99"), std::string::npos) << check(forged);
+  }
+  {
+    auto forged = address;
+    forged[offset(tcp_at->device)] |= 0x80U;
+    EXPECT_NE(check(forged).find("unknown flags"), std::string::npos) << check(forged);
   }
 }
 

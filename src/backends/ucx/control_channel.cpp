@@ -290,7 +290,7 @@ void Backend::on_hello(const std::shared_ptr<Connection>& conn,
     protocol_error_now(conn, fmt::format("HELLO with {}", address.error));
     return;
   }
-  if (const auto bad = check_same_host_transports(address, m_own_address); !bad.empty()) {
+  if (const auto bad = check_transport_addresses(address, m_own_address); !bad.empty()) {
     protocol_error_now(conn, fmt::format("HELLO with {}", bad));
     return;
   }

@@ -8,10 +8,12 @@
 #include <cstring>
 #include <fstream>
 #include <mutex>
+#include <netinet/in.h>
 #include <string>
 #include <string_view>
 #include <sys/prctl.h>
 #include <sys/resource.h>
+#include <sys/socket.h>
 #include <sys/uio.h>
 #include <ucs/algorithm/crc.h>
 #include <ucs/config/global_opts.h>
@@ -656,8 +658,47 @@ std::vector<std::uint8_t> without_transport(std::span<const std::uint8_t> addres
   return copy;
 }
 
-std::string check_same_host_transports(const WorkerAddressInfo& peer,
-                                       const WorkerAddressInfo& own) {
+namespace {
+
+// UCX 1.13's tcp transport address (src/uct/tcp/tcp.h, tcp_iface.c): the device part is a
+// flags byte and an address family, then the IPv4 or IPv6 address, or for a loopback
+// interface a host id and a network namespace (8 bytes each); the transport part is the
+// listening port. UCX reads them by the family and the flags, not by their lengths.
+std::string check_tcp_address(const WorkerAddressInfo::Transport& tcp) {
+  constexpr std::uint8_t FLAG_LOOPBACK = 1U << 0U;
+  constexpr std::size_t HEADER = 2;
+  constexpr std::size_t LOCAL_ADDRESS = 16;
+  if (tcp.device.size() < HEADER) {
+    return fmt::format("a tcp transport address with a device part of {} bytes", tcp.device.size());
+  }
+  const std::uint8_t flags = tcp.device[0];
+  const std::uint8_t family = tcp.device[1];
+  std::size_t expected = 0;
+  if ((flags & ~FLAG_LOOPBACK) != 0) {
+    return fmt::format("a tcp transport address with unknown flags {:#x}", flags);
+  }
+  if (family != AF_INET && family != AF_INET6) {
+    return fmt::format("a tcp transport address of address family {}", family);
+  }
+  if ((flags & FLAG_LOOPBACK) != 0) {
+    expected = HEADER + LOCAL_ADDRESS;
+  } else {
+    expected = HEADER + (family == AF_INET ? sizeof(in_addr) : sizeof(in6_addr));
+  }
+  if (tcp.device.size() != expected) {
+    return fmt::format("a tcp transport address with a device part of {} bytes (expected {})",
+                       tcp.device.size(), expected);
+  }
+  if (tcp.iface.size() != sizeof(std::uint16_t)) {
+    return fmt::format("a tcp transport address with a port of {} bytes", tcp.iface.size());
+  }
+  return {};
+}
+
+}  // namespace
+
+std::string check_transport_addresses(const WorkerAddressInfo& peer, const WorkerAddressInfo& own) {
+  static const std::uint16_t tcp = ucs_crc16_string("tcp");
   static const std::uint16_t posix = ucs_crc16_string("posix");
   static const std::array<std::uint16_t, 6> same_host{posix,
                                                       ucs_crc16_string("sysv"),
@@ -670,23 +711,44 @@ std::string check_same_host_transports(const WorkerAddressInfo& peer,
   constexpr std::uint64_t POSIX_HUGETLB = std::uint64_t{1} << 61U;
   constexpr std::uint64_t POSIX_PID_NS = std::uint64_t{1} << 60U;
   for (const auto& theirs : peer.transports) {
-    if (std::find(same_host.begin(), same_host.end(), theirs.name_checksum) == same_host.end()) {
+    // UCX asks each of its transports whether it reaches each of the peer's transport
+    // addresses of the same name (ucp_wireup_is_reachable), and only those: an address of a
+    // transport this side does not use is never read.
+    const auto same_name = [&](const auto& t) { return t.name_checksum == theirs.name_checksum; };
+    const auto ours = std::find_if(own.transports.begin(), own.transports.end(), same_name);
+    if (ours == own.transports.end()) continue;
+    if (theirs.name_checksum == tcp) {
+      if (auto bad = check_tcp_address(theirs); !bad.empty()) return bad;
       continue;
     }
-    const auto ours =
-        std::find_if(own.transports.begin(), own.transports.end(),
-                     [&](const auto& t) { return t.name_checksum == theirs.name_checksum; });
-    if (ours == own.transports.end()) continue;  // not one this side uses: UCX ignores it
-    if (theirs.device.size() != ours->device.size() || theirs.iface.size() != ours->iface.size()) {
-      return "a same-host transport address of another shape than this side's";
-    }
-    if (theirs.name_checksum == posix && theirs.iface.size() >= 8 && ours->iface.size() >= 8) {
-      const std::uint64_t seg = detail::load_le64(theirs.iface.data());
-      const std::uint64_t own_seg = detail::load_le64(ours->iface.data());
-      const std::uint64_t mode = POSIX_PROCFS | POSIX_SHM_OPEN | POSIX_HUGETLB | POSIX_PID_NS;
-      if ((seg & mode) != (own_seg & mode)) {
-        return "a posix shared-memory address of another mode than this side's";
+    if (std::find(same_host.begin(), same_host.end(), theirs.name_checksum) != same_host.end()) {
+      if (theirs.device.size() != ours->device.size() ||
+          theirs.iface.size() != ours->iface.size()) {
+        return "a same-host transport address of another shape than this side's";
       }
+      if (theirs.name_checksum == posix && theirs.iface.size() >= 8 && ours->iface.size() >= 8) {
+        const std::uint64_t seg = detail::load_le64(theirs.iface.data());
+        const std::uint64_t own_seg = detail::load_le64(ours->iface.data());
+        const std::uint64_t mode = POSIX_PROCFS | POSIX_SHM_OPEN | POSIX_HUGETLB | POSIX_PID_NS;
+        if ((seg & mode) != (own_seg & mode)) {
+          return "a posix shared-memory address of another mode than this side's";
+        }
+      }
+      continue;
+    }
+    // Any other transport (InfiniBand's, across hosts: their shapes differ by link layer).
+    // UCX hands a part of length 0 to the transport as a null pointer, which the transports
+    // read without a check (a tcp address without its device part crashed the process in
+    // uct_tcp_iface_is_reachable); what an address holds beyond its length is read from the
+    // zeros acquire_endpoint puts behind it.
+    const bool device_always =
+        std::all_of(own.transports.begin(), own.transports.end(),
+                    [&](const auto& t) { return !same_name(t) || !t.device.empty(); });
+    const bool iface_always =
+        std::all_of(own.transports.begin(), own.transports.end(),
+                    [&](const auto& t) { return !same_name(t) || !t.iface.empty(); });
+    if ((theirs.device.empty() && device_always) || (theirs.iface.empty() && iface_always)) {
+      return "a transport address without a part that this side's transport of that name reads";
     }
   }
   return {};

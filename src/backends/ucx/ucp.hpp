@@ -107,12 +107,22 @@ struct WorkerAddressInfo {
 // connection.
 [[nodiscard]] bool impersonates(const WorkerAddressInfo& peer, const WorkerAddressInfo& own);
 
-// The same-host transports (shared memory, CMA, self) of `peer` next to ours: UCX attaches
-// what their addresses name, and asserts on some malformed ones (mm_posix.c:369, a posix
-// segment id that names neither procfs nor shm_open). Peers on one host run the same UCX
-// build, so their addresses have the same shape as ours. An error text, or empty.
-[[nodiscard]] std::string check_same_host_transports(const WorkerAddressInfo& peer,
-                                                     const WorkerAddressInfo& own);
+// The transport addresses of `peer` that UCX reads: those of the transports this side uses
+// too (UCX asks each of its transports whether it reaches the peer's address of the same
+// name, and connects by it). UCX trusts their contents and reads them by their type, not by
+// their lengths; some malformed ones crash or abort the process:
+// - tcp: a device part of any length, even none (UCX passes that as a null pointer: a HELLO
+//   with a mutated address crashed uct_tcp_iface_is_reachable), is read as a flags byte,
+//   an address family and an address of that family; checked exactly.
+// - same-host transports (shared memory, CMA, self): UCX attaches what their addresses name,
+//   and asserts on some malformed ones (mm_posix.c:369, a posix segment id that names neither
+//   procfs nor shm_open). Peers on one host run the same UCX build, so their addresses have
+//   the same shape as ours.
+// - others (InfiniBand's, whose shapes differ by link layer): no part may be missing that
+//   every address of ours of that name has.
+// An error text, or empty.
+[[nodiscard]] std::string check_transport_addresses(const WorkerAddressInfo& peer,
+                                                    const WorkerAddressInfo& own);
 
 // Whether bulk data between this process and `peer` may go by CMA (process_vm_readv and
 // process_vm_writev between the two processes, both ways: the side that receives a
