@@ -10,7 +10,6 @@
 #include <array>
 #include <atomic>
 #include <cerrno>
-#include <charconv>
 #include <chrono>
 #include <condition_variable>
 #include <cstdlib>
@@ -32,6 +31,7 @@
 #include <fmt/format.h>
 #include <netio3/event_loop.hpp>
 
+#include "common/environment.hpp"
 #include "common/log.hpp"
 
 namespace netio3 {
@@ -584,26 +584,14 @@ class EpollHookSource final : public detail::EventSource {
 }  // namespace
 
 namespace {
-// Microseconds 0..1000000 from the environment variable `name`, if set and valid.
-std::optional<std::chrono::microseconds> microseconds_from_environment(const char* name) {
-  const char* text = std::getenv(name);
-  if (text == nullptr || *text == '\0') return std::nullopt;
-  unsigned long value = 0;
-  const std::string_view view{text};
-  const auto [end, ec] = std::from_chars(view.data(), view.data() + view.size(), value);
-  if (ec != std::errc{} || end != view.data() + view.size() || value > 1'000'000) {
-    NETIO3_WARN("event loop: {}='{}' is not 0..1000000 microseconds; ignored", name, view);
-    return std::nullopt;
-  }
-  return std::chrono::microseconds{value};
-}
-
 EpollEventLoop::Options options_from_environment() {
   EpollEventLoop::Options options;
-  if (const auto value = microseconds_from_environment("NETIO3_BUSY_POLL_US")) {
+  if (const auto value =
+          detail::microseconds_from_environment("NETIO3_BUSY_POLL_US", "event loop")) {
     options.busy_poll = *value;
   }
-  if (const auto value = microseconds_from_environment("NETIO3_BUSY_POLL_FD_INTERVAL_US")) {
+  if (const auto value =
+          detail::microseconds_from_environment("NETIO3_BUSY_POLL_FD_INTERVAL_US", "event loop")) {
     options.busy_poll_fd_interval = *value;
   }
   return options;

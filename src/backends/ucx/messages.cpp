@@ -348,15 +348,23 @@ bool Backend::progress() {
   if (m_progressing || shut_down() || !m_worker) return false;
   m_progressing = true;
   bool active = false;
-  const auto deadline = std::chrono::steady_clock::now() + PROGRESS_BUDGET;
+  const auto deadline = std::chrono::steady_clock::now() + m_progress_budget;
+  // UCX may be armed only after a progress call that did nothing: one that did something
+  // may have left work that no descriptor will announce (with no endpoint yet, UCX's tcp
+  // transport read the connections its listener had accepted only in a further call).
+  m_progress_unfinished = true;
   for (int round = 0; round < PROGRESS_ROUNDS; ++round) {
     const unsigned n = ucp_worker_progress(m_worker->get());
     const bool work = has_work();
     active = active || n != 0 || work;
     dispatch(deadline);
     if (shut_down()) return active;  // the backend is going: leave the flag set
-    if (n == 0 && !has_work()) break;
-    if (std::chrono::steady_clock::now() >= deadline) break;  // has_work(): back at once
+    if (n == 0 && !has_work()) {
+      m_progress_unfinished = false;
+      break;
+    }
+    // Past the budget: back on the loop's next round, without sleeping (may_sleep).
+    if (std::chrono::steady_clock::now() >= deadline) break;
   }
   m_progressing = false;
   return active;
@@ -374,7 +382,7 @@ bool Backend::may_sleep() {
   if (shut_down()) return true;
   const bool active = progress();
   if (shut_down()) return true;
-  if (has_work()) return false;
+  if (has_work() || m_progress_unfinished) return false;
   // Busy-polling (EpollEventLoop::Options::busy_poll): the loop will not sleep this
   // round, so arming would be wasted; say whether there was work to keep it polling.
   if (m_loop->polling()) return !active;

@@ -39,10 +39,15 @@
 // after that), and reports; the peer closes once it has delivered everything before the BYE.
 
 #include "backends/ucx/ucx_backend_impl.hpp"
+#include "common/environment.hpp"
 
 namespace netio3::ucx {
 
 void Backend::start() {
+  if (const auto budget =
+          detail::microseconds_from_environment("NETIO3_UCX_PROGRESS_BUDGET_US", NAME)) {
+    m_progress_budget = *budget;
+  }
   start_engine();
   std::weak_ptr<Backend> weak = weak_from_this();
   m_kick = m_loop->create_signal([weak] {

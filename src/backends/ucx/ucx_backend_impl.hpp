@@ -68,7 +68,10 @@ constexpr auto CLOSE_PROGRESS = std::chrono::milliseconds{500};
 // without a time limit a loop whose callbacks are slow stays in the worker's progress and
 // its timers and other descriptors wait (under TSan it kept a loop from reading its control
 // channel for more than peer_timeout, and the peer closed the connection as silent). Past
-// the budget the loop polls its descriptors (without sleeping) and comes back.
+// the budget the loop polls its descriptors (without sleeping) and comes back: it does not arm
+// the worker before a progress call has found nothing to do (UCX's rule; arming earlier left
+// accepted connections unread until something else woke the loop). NETIO3_UCX_PROGRESS_BUDGET_US
+// in the environment sets another budget (0: one progress call per round; tests use it).
 constexpr int PROGRESS_ROUNDS = 64;
 constexpr auto PROGRESS_BUDGET = std::chrono::milliseconds{2};
 // Copy sends' staging memory a connection keeps for reuse (beyond it, freed after use).
@@ -586,6 +589,8 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
   std::vector<std::shared_ptr<Connection>> m_dirty;
   std::vector<std::shared_ptr<Connection>> m_spare_dirty;  // loop thread only (dispatch)
   bool m_progressing{false};
+  bool m_progress_unfinished{false};  // the last progress() stopped with UCX still busy
+  std::chrono::microseconds m_progress_budget{PROGRESS_BUDGET};
   Incoming* m_delivering{nullptr};  // the message on_data_cb has now
 
   std::atomic<bool> m_kick_pending{false};
