@@ -179,12 +179,29 @@ std::optional<EndPointAddress> connect_peer(Side& side, std::unique_ptr<ChildPro
   }
   options.connect = *listen;
   peer = std::make_unique<ChildProcess>(peer_command(options));
-  if (!side.observer.wait([&](const Observer& o) { return o.established_count() > before; },
-                          deadline)) {
+  const auto remote = await_peer_connection(side, *peer, before, deadline);
+  if (!remote) {
     ADD_FAILURE() << "the peer did not connect to " << *listen << "\n" << peer->describe();
-    return std::nullopt;
   }
-  return side.observer.remote(before);
+  return remote;
+}
+
+std::optional<EndPointAddress> await_peer_connection(Side& side, ChildProcess& peer,
+                                                     std::size_t before,
+                                                     Clock::time_point deadline) {
+  for (;;) {
+    if (side.observer.established_count_now() > before) return side.observer.remote(before);
+    if (Clock::now() >= deadline) return std::nullopt;
+    // Its output, in slices (the connection is watched between them); an early return means
+    // that the peer ended its output: it is exiting.
+    const auto slice = std::min(deadline, Clock::now() + std::chrono::milliseconds{20});
+    (void)peer.read_until([](const std::string&) { return false; }, slice);
+    if (Clock::now() < slice) {
+      (void)peer.wait(deadline);
+      if (side.observer.established_count_now() > before) continue;
+      return std::nullopt;
+    }
+  }
 }
 
 void report_measurement(const std::string& name, double value, const std::string& unit) {

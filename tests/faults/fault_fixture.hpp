@@ -109,6 +109,14 @@ struct PeerOptions {
     Side& side, std::unique_ptr<ChildProcess>& peer, PeerOptions options,
     const ConnectionParameters& params, const std::optional<EndPointAddress>& listen);
 
+// Waits until `side` has a connection more than the `before` it had, reading the peer's
+// output meanwhile (so that describe() shows what a peer that failed to start said), and
+// returns how `side` addresses it; nullopt at the deadline or once the peer has exited
+// without connecting.
+[[nodiscard]] std::optional<EndPointAddress> await_peer_connection(Side& side, ChildProcess& peer,
+                                                                   std::size_t before,
+                                                                   Clock::time_point deadline);
+
 // Prints a measurement as one machine-readable line and records it as a test property.
 void report_measurement(const std::string& name, double value, const std::string& unit);
 

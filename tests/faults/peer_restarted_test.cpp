@@ -88,30 +88,15 @@ Start start_peer(Side& side, std::unique_ptr<ChildProcess>& peer, PeerOptions op
   const std::size_t before = side.observer.established_count_now();
   options.connect = listen;
   peer = std::make_unique<ChildProcess>(peer_command(options));
-  const auto deadline = Clock::now() + WAIT;
-  for (;;) {
-    if (side.observer.established_count_now() > before) {
-      const auto known = side.observer.remote(before);
-      if (!known) break;
-      remote = *known;
-      return Start::CONNECTED;
-    }
-    if (Clock::now() >= deadline) break;
-    // Its output, in slices (the connection is watched between them); an early return means
-    // that the peer ended its output: it is exiting.
-    const auto slice = std::min(deadline, Clock::now() + std::chrono::milliseconds{20});
-    (void)peer->read_until([](const std::string&) { return false; }, slice);
-    if (Clock::now() < slice) {
-      (void)peer->wait(Clock::now() + WAIT);
-      if (side.observer.established_count_now() > before) continue;
-      const std::string output = peer->out() + peer->err();
-      // UCX's log line, or the peer's own when UCX logs nothing (UCX_LOG_LEVEL).
-      if (output.find("Address already in use") != std::string::npos ||
-          output.find("Device is busy") != std::string::npos) {
-        return Start::PORT_TAKEN;
-      }
-      break;
-    }
+  if (const auto known = await_peer_connection(side, *peer, before, Clock::now() + WAIT)) {
+    remote = *known;
+    return Start::CONNECTED;
+  }
+  const std::string output = peer->out() + peer->err();
+  // UCX's log line, or the peer's own when UCX logs nothing (UCX_LOG_LEVEL).
+  if (output.find("Address already in use") != std::string::npos ||
+      output.find("Device is busy") != std::string::npos) {
+    return Start::PORT_TAKEN;
   }
   ADD_FAILURE() << "the peer did not connect to " << listen << "\n" << peer->describe();
   return Start::FAILED;
