@@ -2,6 +2,7 @@
 // the control channel under attack.
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
@@ -13,6 +14,7 @@
 #include <ucs/algorithm/crc.h>
 #include <vector>
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <netio3/log.hpp>
 #include <netio3/netio3.hpp>
@@ -365,6 +367,68 @@ TEST(UcxAddress, TransportAddressesUcxWouldMisreadAreRefused) {
     auto forged = address;
     forged[offset(tcp_at->device)] |= 0x80U;
     EXPECT_NE(check(forged).find("unknown flags"), std::string::npos) << check(forged);
+  }
+}
+
+// A rendezvous message is fetched into its receive buffer so that the payload behind its
+// header starts on a 64-byte boundary where the buffer has room for that: the kernel's copy
+// (CMA on one host) runs faster into aligned memory (1 MiB zero-copy with a 16-byte header,
+// two processes: 26.2 against 24.5 GB/s). Without the room, the message starts at the
+// buffer's start as before. Either way it arrives whole.
+TEST(UcxReceive, ARendezvousPayloadLandsAlignedBehindItsHeaderWhereTheBufferHasRoom) {
+  constexpr std::size_t PAYLOAD = 256U << 10U;
+  constexpr std::size_t HEADER = 16;
+  constexpr int MESSAGES = 4;
+  for (const auto mode : {NetworkMode::TCP, NetworkMode::RDMA}) {
+    for (const bool room : {true, false}) {
+      SCOPED_TRACE(fmt::format("{}, {}", to_string(mode), room ? "room" : "no room"));
+      Recorder server_rec;
+      Recorder client_rec;
+      std::atomic<int> aligned{0};
+      std::atomic<int> intact{0};
+      server_rec.set_hook([&](const Recorder::Event& event, std::span<const std::uint8_t> data) {
+        if (event.kind != Recorder::Kind::DATA || data.size() != HEADER + PAYLOAD) return;
+        const auto at = reinterpret_cast<std::uintptr_t>(data.data() + HEADER);  // NOLINT
+        if (at % 64 == 0) ++aligned;
+        bool ok = true;
+        for (std::size_t i = 0; i < HEADER; ++i) ok = ok && data[i] == 0xA0 + i;
+        for (std::size_t i = 0; i < PAYLOAD; i += 4093) {
+          ok = ok && data[HEADER + i] == static_cast<std::uint8_t>(i * 7);
+        }
+        if (ok && data.back() == static_cast<std::uint8_t>((PAYLOAD - 1) * 7)) ++intact;
+      });
+      LoopThread loop;
+      auto server = Netio3Backend::create(
+          BackendType::UCX, server_rec.config(ThreadSafetyModel::SAFE, mode), loop.loop());
+      auto client = Netio3Backend::create(
+          BackendType::UCX, client_rec.config(ThreadSafetyModel::SAFE, mode), loop.loop());
+      const std::size_t buf_size = HEADER + PAYLOAD + (room ? 64 : 0);
+      const auto listen = server->open_listen_endpoint(
+          {"127.0.0.1", 0}, {.recv_params = {.buf_size = buf_size, .num_buf = MESSAGES}});
+      std::vector<std::uint8_t> region(PAYLOAD);
+      for (std::size_t i = 0; i < PAYLOAD; ++i) region[i] = static_cast<std::uint8_t>(i * 7);
+      client->open_active_endpoint(
+          listen, {.send_zero_copy_params = {.buf_size = PAYLOAD, .mr_start = region.data()}});
+      ASSERT_TRUE(client_rec.wait(
+          [](const Recorder& r) { return r.count(Recorder::Kind::ESTABLISHED) == 1; }));
+      std::array<std::uint8_t, HEADER> header{};
+      for (std::size_t i = 0; i < HEADER; ++i) header[i] = static_cast<std::uint8_t>(0xA0 + i);
+      for (int k = 0; k < MESSAGES; ++k) {
+        ASSERT_EQ(client->send_data(listen, region, header, static_cast<std::uint64_t>(k)),
+                  NetioStatus::OK);
+        // One at a time: the region is the payload of every message.
+        ASSERT_TRUE(client_rec.wait(
+            [&](const Recorder& r) { return r.count(Recorder::Kind::COMPLETED) == k + 1U; }));
+      }
+      // The hook runs after the message is recorded: wait for the hook's count itself.
+      EXPECT_TRUE(eventually([&] { return intact.load() == MESSAGES; }, DEFAULT_TIMEOUT))
+          << intact.load() << " of " << MESSAGES << " messages arrived whole";
+      if (room) {
+        EXPECT_EQ(aligned.load(), MESSAGES) << "payloads not on a 64-byte boundary";
+      }
+      client.reset();
+      server.reset();
+    }
   }
 }
 

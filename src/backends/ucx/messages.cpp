@@ -570,12 +570,18 @@ void Backend::service_inbox(const std::shared_ptr<Connection>& conn) {
 void Backend::start_receive(Connection& conn, Incoming& slot) {
   NetworkBuffer* buffer = nullptr;
   const std::size_t total = slot.prefix_len + slot.length;
-  if (conn.recv && total <= conn.recv->pool.buf_size()) buffer = conn.recv->pool.acquire();
+  // The payload is fetched to a 64-byte boundary where the buffer has room for it, the
+  // prefix just before it.
+  std::size_t lead = (PAYLOAD_ALIGNMENT - slot.prefix_len % PAYLOAD_ALIGNMENT) % PAYLOAD_ALIGNMENT;
+  if (conn.recv && total <= conn.recv->pool.buf_size()) {
+    buffer = conn.recv->pool.acquire();
+    if (total + lead > conn.recv->pool.buf_size()) lead = 0;
+  }
   std::uint8_t* start = nullptr;
   ucp_mem_h memh = nullptr;
   if (buffer != nullptr) {
     slot.buffer = buffer;
-    start = buffer->data();
+    start = buffer->data() + lead;
     memh = conn.recv->map.get();
   } else {
     slot.heap = std::make_unique_for_overwrite<std::uint8_t[]>(std::max<std::size_t>(total, 1));

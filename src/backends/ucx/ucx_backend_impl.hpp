@@ -59,6 +59,7 @@ constexpr std::uint64_t MAX_REORDER = std::uint64_t{1} << 16U;
 // at once only spreads it over more receive buffers, and a copy into memory that is no
 // longer in cache costs more (docs/ucx.md, "The receiver's copy").
 constexpr std::size_t RECEIVE_WINDOW = std::size_t{64} << 20U;
+constexpr std::size_t PAYLOAD_ALIGNMENT = 64;
 // A backend's destruction: how long the endpoints' closes may take at least, after the
 // sends had close_timeout to complete.
 constexpr auto CLOSE_PROGRESS = std::chrono::milliseconds{500};
