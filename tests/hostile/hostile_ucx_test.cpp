@@ -8,6 +8,7 @@
 #include <ucs/algorithm/crc.h>
 
 #include "backends/ucx/ucp.hpp"
+#include "common/byte_order.hpp"
 #include "hostile_support.hpp"
 
 namespace netio3::hostile {
@@ -193,8 +194,7 @@ TEST_P(HostileUcx, MutatedWorkerAddressesNeitherCrashNorConnect) {
     if (transport.name_checksum == tcp) {
       forged[static_cast<std::size_t>(transport.device.data() - real.data())] ^= 1U;
     } else if (transport.name_checksum == ucs_crc16_string("self")) {
-      forged[transport.name_at] = static_cast<std::uint8_t>(tcp & 0xFFU);
-      forged[transport.name_at + 1] = static_cast<std::uint8_t>(tcp >> 8U);
+      detail::store_le16(forged.data() + transport.name_at, tcp);
     } else {
       continue;
     }
