@@ -26,6 +26,18 @@ if(NETIO3_WITH_LIBFABRIC AND NOT NETIO3_LIBFABRIC_FOUND)
     "NETIO3_WITH_LIBFABRIC=ON needs libfabric >= 1.9 found by pkg-config (apt-get install libfabric-dev)")
 endif()
 
+# libsodium (admission: the partition key's HMAC and random nonces, docs/admission.md) has no
+# CMake package either. Required: admission is a security feature, and a build without it
+# would have to refuse every configuration that asks for it.
+if(NOT PkgConfig_FOUND)
+  message(FATAL_ERROR "netio3 needs pkg-config to find libsodium (apt-get install pkg-config)")
+endif()
+pkg_check_modules(SODIUM QUIET IMPORTED_TARGET libsodium>=1.0.18)
+if(NOT SODIUM_FOUND)
+  message(FATAL_ERROR "netio3 needs libsodium >= 1.0.18 found by pkg-config for admission "
+                      "(apt-get install libsodium-dev)")
+endif()
+
 # UCX ships a CMake package only in newer releases; pkg-config (ucx.pc) finds Debian's.
 set(NETIO3_UCX_FOUND OFF)
 if(PkgConfig_FOUND)

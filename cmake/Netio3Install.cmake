@@ -23,7 +23,7 @@ write_basic_package_version_file(${CMAKE_CURRENT_BINARY_DIR}/netio3ConfigVersion
   COMPATIBILITY SameMajorVersion)
 # pkg-config: netio3.pc beside the CMake package. Requires.private and Libs.private are what
 # a static link (pkg-config --static) needs besides netio3 itself; Boost is header-only.
-set(NETIO3_PC_REQUIRES_PRIVATE "")
+set(NETIO3_PC_REQUIRES_PRIVATE libsodium)
 if("LIBFABRIC" IN_LIST NETIO3_BACKENDS)
   list(APPEND NETIO3_PC_REQUIRES_PRIVATE libfabric)
 endif()

@@ -40,9 +40,10 @@ set(CPACK_DEBIAN_DEVELOPMENT_PACKAGE_SECTION libdevel)
 set(CPACK_DEBIAN_DEVELOPMENT_DESCRIPTION
     "netio3 development files.
 Headers, the CMake package (find_package(netio3)) and netio3.pc (pkg-config).")
-# fmt: the public headers include it. libucx-dev, libfabric-dev: netio3.pc names them in
+# fmt: the public headers include it. libsodium-dev, libucx-dev, libfabric-dev: netio3.pc names them in
 # Requires.private, which pkg-config resolves also for a shared link.
-set(netio3_dev_depends "${netio3_runtime_package} (= ${PROJECT_VERSION}), libfmt-dev")
+set(netio3_dev_depends
+    "${netio3_runtime_package} (= ${PROJECT_VERSION}), libfmt-dev, libsodium-dev")
 if("UCX" IN_LIST NETIO3_BACKENDS)
   string(APPEND netio3_dev_depends ", libucx-dev")
 endif()

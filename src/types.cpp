@@ -32,8 +32,8 @@ constexpr std::array<std::string_view, 3> BACKEND_NAMES{"asyncmsg", "libfabric",
 constexpr std::array<std::string_view, 2> MODE_NAMES{"rdma", "tcp"};
 constexpr std::array<std::string_view, 2> SAFETY_NAMES{"safe", "unsafe"};
 constexpr std::array<std::string_view, 3> STATUS_NAMES{"ok", "no_resources", "failed"};
-constexpr std::array<std::string_view, 4> REFUSAL_NAMES{"unreachable", "timed_out", "rejected",
-                                                        "setup_failed"};
+constexpr std::array<std::string_view, 5> REFUSAL_NAMES{"unreachable", "timed_out", "rejected",
+                                                        "setup_failed", "not_admitted"};
 
 }  // namespace
 

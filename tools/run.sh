@@ -31,7 +31,7 @@ cd "$(dirname "$0")/.."
 # too Python's headers and pybind11, without which the configuration would leave the
 # Python package out for good (a cached choice).
 PACKAGES=(cmake ninja-build g++ pkg-config libboost-dev libfmt-dev libgtest-dev libgmock-dev
-          libbenchmark-dev libfabric-dev libucx-dev python3-dev pybind11-dev)
+          libbenchmark-dev libfabric-dev libucx-dev libsodium-dev python3-dev pybind11-dev)
 # What the Python package's tests need besides (tools/run.sh test).
 PYTHON_TEST_PACKAGES=(python3-pytest python3-pytest-asyncio python3-pytest-timeout python3-numpy)
 

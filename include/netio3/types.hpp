@@ -162,13 +162,16 @@ using OnDataFromCb =
 
 /// Why an active connection could not be set up (RefusalReason::cause).
 enum class RefusalCause {
-  UNREACHABLE,  ///< nothing listens at the address, or no route to it: the connect failed
-  TIMED_OUT,    ///< the set-up did not finish within limits.connect_timeout
-  REJECTED,     ///< the peer answered and said no (its protocol version, its source-port rule)
-  SETUP_FAILED  ///< the set-up broke off: the peer closed or sent what is not netio3's set-up,
-                ///< or a local error
+  UNREACHABLE,   ///< nothing listens at the address, or no route to it: the connect failed
+  TIMED_OUT,     ///< the set-up did not finish within limits.connect_timeout
+  REJECTED,      ///< the peer answered and said no (its protocol version, its source-port rule)
+  SETUP_FAILED,  ///< the set-up broke off: the peer closed or sent what is not netio3's set-up,
+                 ///< or a local error
+  NOT_ADMITTED   ///< admission failed: the server refused this side (its partition key, its
+                 ///< on_accept_cb; the message carries the server's reason), or the server did
+                 ///< not prove the partition key this side holds (docs/admission.md)
 };
-/// "unreachable", "timed_out", "rejected", "setup_failed".
+/// "unreachable", "timed_out", "rejected", "setup_failed", "not_admitted".
 [[nodiscard]] NETIO3_API std::string_view to_string(RefusalCause cause) noexcept;
 
 /// What on_connection_refused_reason_cb reports: a cause to act on and a text to log.
@@ -182,6 +185,41 @@ struct RefusalReason {
 /// an InvalidConfiguration).
 using OnConnectionRefusedReasonCb =
     std::function<void(const EndPointAddress& remote, const RefusalReason& reason)>;
+
+/// Who asks to be admitted through a listening endpoint (NetworkConfig::on_accept_cb).
+struct PeerInfo {
+  EndPointAddress remote;    ///< the peer's source address, as the other callbacks will name it
+  EndPointAddress listener;  ///< the listening endpoint it connected to (its bound address)
+  /// What the peer presented as NetworkConfig::identity; empty when it presented none. Covered
+  /// by the peer's proof of the partition key, so only meaningful when key_proven is true.
+  std::string identity;
+  bool key_proven{false};  ///< the peer proved it holds this side's partition_key
+};
+
+/// What on_accept_cb decides for one peer.
+struct AcceptDecision {
+  bool admit{true};  ///< false: the peer is refused
+  /// Sent to a refused netio3 peer (its on_connection_refused_reason_cb reports it with
+  /// RefusalCause::NOT_ADMITTED) and logged here; at most 256 bytes of it travel.
+  std::string reason;
+
+  [[nodiscard]] static AcceptDecision accept() { return {}; }
+  [[nodiscard]] static AcceptDecision refuse(std::string why) {
+    return {.admit = false, .reason = std::move(why)};
+  }
+};
+
+/// The accept hook: decides whether a peer that reached a listening endpoint (and, with a
+/// partition key, proved it) is admitted. Runs on the event-loop thread, never under a lock
+/// of the library, before the connection is reported established and before any buffer is
+/// given to it; an exception escaping it refuses the peer. Only connections that come in
+/// through a listening endpoint are asked about.
+using OnAcceptCb = std::function<AcceptDecision(const PeerInfo& peer)>;
+
+/// Smallest NetworkConfig::partition_key accepted: 16 bytes.
+inline constexpr std::size_t MIN_PARTITION_KEY_SIZE = 16;
+/// Longest NetworkConfig::identity: 255 bytes.
+inline constexpr std::size_t MAX_IDENTITY_SIZE = 255;
 
 /// Default of NetworkLimits::max_message_size: 64 MiB.
 inline constexpr std::size_t DEFAULT_MAX_MESSAGE_SIZE = std::size_t{64} << 20U;
@@ -241,6 +279,18 @@ struct NetworkConfig {
   OnDataFromCb on_data_from_cb{};
   /// Optional, instead of on_connection_refused_cb: the refusal with its reason.
   OnConnectionRefusedReasonCb on_connection_refused_reason_cb{};
+  /// Admission (docs/admission.md). Optional: decides about every peer that comes in through
+  /// a listening endpoint of this backend.
+  OnAcceptCb on_accept_cb{};
+  /// Admission: a secret shared by the processes of one partition, at least
+  /// MIN_PARTITION_KEY_SIZE bytes; empty for none. When set, both sides of every connection
+  /// prove they hold it (challenge and response, HMAC-SHA-256) before it is established, and a
+  /// peer with another key or none is refused. It authenticates the set-up only: data travel
+  /// unencrypted and unsigned.
+  std::string partition_key{};
+  /// Admission: the name this side presents to its peers' on_accept_cb, covered by its proof
+  /// of partition_key (so it needs one); at most MAX_IDENTITY_SIZE bytes.
+  std::string identity{};
 };
 
 }  // namespace netio3

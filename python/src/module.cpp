@@ -35,7 +35,8 @@ void bind_types(py::module_& m) {
       .value("UNREACHABLE", RefusalCause::UNREACHABLE)
       .value("TIMED_OUT", RefusalCause::TIMED_OUT)
       .value("REJECTED", RefusalCause::REJECTED)
-      .value("SETUP_FAILED", RefusalCause::SETUP_FAILED);
+      .value("SETUP_FAILED", RefusalCause::SETUP_FAILED)
+      .value("NOT_ADMITTED", RefusalCause::NOT_ADMITTED);
   py::enum_<Receive>(m, "Receive", "How received data reaches on_data_cb.")
       .value("BYTES", Receive::BYTES, "a bytes copy")
       .value("MEMORYVIEW", Receive::MEMORYVIEW,

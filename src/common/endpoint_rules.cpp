@@ -6,6 +6,8 @@
 #include <fmt/format.h>
 #include <netio3/exceptions.hpp>
 
+#include "common/admission.hpp"
+
 namespace netio3::detail {
 
 void check_address(const EndPointAddress& address, std::string_view action) {
@@ -56,6 +58,7 @@ void check_config(const NetworkConfig& config) {
   if (config.limits.peer_timeout.count() <= 0) {
     throw InvalidConfiguration("limits.peer_timeout must be > 0");
   }
+  check_admission_config(config);
   if (config.on_data_cb && config.on_data_from_cb) {
     throw InvalidConfiguration(
         "set one of on_data_cb and on_data_from_cb (on_data_from_cb is on_data_cb with the "

@@ -50,10 +50,20 @@ inline constexpr std::uint16_t ASYNCMSG_MAJOR = 1;
 inline constexpr std::uint16_t UCX_CONTROL_MAJOR = 3;
 inline constexpr std::size_t GREETING_SIZE = 16;
 inline constexpr std::uint32_t GREETING_REFUSED_ADDRESS_IN_USE = 1U;
+// Admission (asyncmsg 1.3, docs/admission.md). KEYED: the sender holds a partition key, and a
+// CHALLENGE frame with its nonce follows the greeting. VERDICT (a server's greeting): the
+// server decides about admission; the client is established by its PROOF frame, or refused
+// by its REFUSAL frame, not by the greeting.
+inline constexpr std::uint32_t GREETING_KEYED = 1U << 1U;
+inline constexpr std::uint32_t GREETING_VERDICT = 1U << 2U;
 inline constexpr std::size_t FRAME_HEADER_SIZE = 8;
 inline constexpr std::uint8_t FRAME_DATA = 1;
 // No body; sent by asyncmsg 1.2 to a 1.2 peer (common/liveness.hpp).
 inline constexpr std::uint8_t FRAME_HEARTBEAT = 2;
+// Admission (asyncmsg 1.3): only during set-up, only with the greeting flags above.
+inline constexpr std::uint8_t FRAME_CHALLENGE = 3;
+inline constexpr std::uint8_t FRAME_PROOF = 4;
+inline constexpr std::uint8_t FRAME_REFUSAL = 5;
 // Lengths travel as 32-bit numbers.
 inline constexpr std::size_t WIRE_MAX_MESSAGE_SIZE = 0xFFFF'FFFFU;
 
@@ -65,9 +75,12 @@ struct FrameProtocol {
   std::uint32_t frame_types{};  // bit t set: frame type t is accepted (t < 32)
 };
 // 1.1: the refusal greeting; 1.2: HEARTBEAT frames, sent only to a peer whose greeting says
-// 1.2 or later (an older peer rejects the frame type).
-inline constexpr FrameProtocol ASYNCMSG_PROTOCOL{"asyncmsg", ASYNCMSG_MAJOR, 2,
-                                                 (1U << FRAME_DATA) | (1U << FRAME_HEARTBEAT)};
+// 1.2 or later (an older peer rejects the frame type); 1.3: admission (the greeting flags
+// KEYED and VERDICT, the frames CHALLENGE, PROOF and REFUSAL).
+inline constexpr FrameProtocol ASYNCMSG_PROTOCOL{"asyncmsg", ASYNCMSG_MAJOR, 3,
+                                                 (1U << FRAME_DATA) | (1U << FRAME_HEARTBEAT) |
+                                                     (1U << FRAME_CHALLENGE) | (1U << FRAME_PROOF) |
+                                                     (1U << FRAME_REFUSAL)};
 inline constexpr std::uint16_t ASYNCMSG_HEARTBEAT_MINOR = 2;
 
 // The default major is asyncmsg's, whose greeting this layout was first.
@@ -158,6 +171,12 @@ class FrameDecoder {
   // Bytes held for an incomplete message (for memory accounting and tests).
   [[nodiscard]] std::size_t buffered_capacity() const noexcept { return m_body_cap; }
   [[nodiscard]] std::size_t max_message_size() const noexcept { return m_max_message_size; }
+  // Changes the largest message accepted from the next frame header on (admission bounds the
+  // frames of a connection's set-up far below the configured size).
+  void set_max_message_size(std::size_t max_message_size) noexcept {
+    m_max_message_size =
+        max_message_size < WIRE_MAX_MESSAGE_SIZE ? max_message_size : WIRE_MAX_MESSAGE_SIZE;
+  }
 
   // Minimum remaining size of a message for direct reads to be worth it.
   static constexpr std::size_t DIRECT_MIN = std::size_t{64} << 10U;

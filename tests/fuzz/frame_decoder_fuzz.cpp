@@ -47,7 +47,6 @@ using netio3::asyncmsg::GREETING_SIZE;
 using netio3::asyncmsg::MAGIC;
 using netio3::asyncmsg::VERSION_MAJOR;
 using netio3::asyncmsg::WIRE_MAX_MESSAGE_SIZE;
-using netio3::detail::FRAME_HEARTBEAT;
 using Status = FrameDecoder::Status;
 
 // Memory promises of the decoder (wire.hpp, wire.cpp and the "Memory and limits" table of
@@ -285,8 +284,10 @@ Expected reference(std::span<const std::uint8_t> s, std::size_t limit, std::size
     if (s.size() - pos < FRAME_HEADER_SIZE) return finish_ok(true);
     const std::uint8_t* h = s.data() + pos;
     const std::size_t length = le32(h);
-    if ((h[4] != FRAME_DATA && h[4] != FRAME_HEARTBEAT) || h[5] != 0 || h[6] != 0 || h[7] != 0 ||
-        length > limit) {
+    // Frame types of asyncmsg 1.3: DATA, HEARTBEAT, and the admission frames CHALLENGE (3),
+    // PROOF (4) and REFUSAL (5) - the decoder takes them all; which ones a connection accepts
+    // when is the backend's business (docs/asyncmsg.md).
+    if (h[4] < FRAME_DATA || h[4] > 5 || h[5] != 0 || h[6] != 0 || h[7] != 0 || length > limit) {
       e.status = Status::ERROR;
       e.end = pos + FRAME_HEADER_SIZE;
       return e;

@@ -97,10 +97,26 @@ TEST_F(HostileAsyncmsg, AbsurdFrameLengthIsRefusedAtOnce) {
   finish();
 }
 
-// Type 2 is a HEARTBEAT (protocol 1.2), which has no body.
+// Type 2 is a HEARTBEAT (protocol 1.2), which has no body; 3, 4 and 5 are the admission
+// frames of the set-up (1.3), which an established connection never takes.
+std::string bad_frame_reason(std::uint8_t type) {
+  switch (type) {
+    case 2:
+      return "a heartbeat frame with 16 bytes of body";
+    case 3:
+      return "a CHALLENGE frame after the set-up";
+    case 4:
+      return "a PROOF frame after the set-up";
+    case 5:
+      return "a REFUSAL frame after the set-up";
+    default:
+      return fmt::format("unknown frame type {}", type);
+  }
+}
+
 TEST_F(HostileAsyncmsg, UnknownFrameType) {
   ASSERT_NO_FATAL_FAILURE(start());
-  for (const std::uint8_t type : {0, 2, 3, 0x80, 0xFF}) {
+  for (const std::uint8_t type : {0, 2, 3, 4, 5, 6, 0x80, 0xFF}) {
     const std::uint32_t stream = new_stream();
     RawPeer peer{m_listen};
     Bytes all = greeting();
@@ -109,8 +125,7 @@ TEST_F(HostileAsyncmsg, UnknownFrameType) {
     append(all, random_bytes(16, type));
     append(all, make_frame(stream, 1, 64));  // after the bad frame: must not be
     ASSERT_TRUE(peer.send_all(all));
-    expect_dropped(peer, {type == 2 ? std::string{"a heartbeat frame with 16 bytes of body"}
-                                    : fmt::format("unknown frame type {}", type)});
+    expect_dropped(peer, {bad_frame_reason(type)});
     EXPECT_TRUE(m_checker.wait_received(stream, 1, PROMPT));
     EXPECT_TRUE(wait_server_event(Recorder::Kind::CLOSED, peer.local()));
     EXPECT_EQ(m_checker.received(stream), 1U) << "data after a bad frame was delivered";
@@ -271,8 +286,9 @@ TEST_F(HostileAsyncmsg, ByteByByteIsLegal) {
   RawPeer peer{m_listen};
   const auto server_greeting = peer.read_exact(GREETING_SIZE);
   ASSERT_TRUE(server_greeting.has_value());
-  EXPECT_EQ(*server_greeting, greeting(1, 2, static_cast<std::uint32_t>(DEFAULT_MAX)))
-      << "the server announces protocol 1.2 and its limit in its greeting";
+  EXPECT_EQ(*server_greeting, greeting(1, 3, static_cast<std::uint32_t>(DEFAULT_MAX)))
+      << "the server announces protocol 1.3 and its limit in its greeting, and no admission "
+         "flags (it has no key and no accept hook)";
   const auto begin = Clock::now();
   ASSERT_TRUE(peer.send_bytewise(all));
   EXPECT_TRUE(m_checker.wait_received(stream, sizes.size(), PROMPT)) << m_logs.dump();

@@ -18,19 +18,29 @@ namespace {
 struct Target {
   BackendType type;
   NetworkMode mode;
+  // Admission (docs/admission.md): the server and its legitimate clients hold this key.
+  std::string_view partition_key{};
 };
 
 std::string target_name(const ::testing::TestParamInfo<Target>& info) {
-  return fmt::format("{}_{}", netio3::to_string(info.param.type),
-                     netio3::to_string(info.param.mode));
+  return fmt::format("{}_{}{}", netio3::to_string(info.param.type),
+                     netio3::to_string(info.param.mode),
+                     info.param.partition_key.empty() ? "" : "_keyed");
 }
 
 class Hostile : public HostileListener, public ::testing::WithParamInterface<Target> {
  protected:
-  Hostile() { set_target(GetParam().type, GetParam().mode); }
+  Hostile() {
+    set_target(GetParam().type, GetParam().mode);
+    m_partition_key = GetParam().partition_key;
+  }
 
-  // The greeting of the target's protocol (its major version names it).
+  [[nodiscard]] bool keyed() const { return !m_partition_key.empty(); }
+
+  // The greeting of the target's protocol (its major version names it); with a key, one that
+  // says it holds one (asyncmsg 1.3: a CHALLENGE must follow).
   [[nodiscard]] Bytes own_greeting() const {
+    if (keyed()) return greeting(1, 3, 1U << 20U, 2);
     return greeting(m_type == BackendType::UCX ? 3 : 1, 0, 1U << 20U);
   }
 };
@@ -101,10 +111,10 @@ TEST_P(Hostile, HalfGreetingsThenSilenceAreDroppedAfterTheConnectTimeout) {
   limits.connect_timeout = SHORT_CONNECT_TIMEOUT;
   ASSERT_NO_FATAL_FAILURE(start(limits));
   const Bytes g = own_greeting();
-  // UCX: a whole greeting is not enough, the HELLO must follow. asyncmsg: a whole greeting is a
-  // connection.
+  // UCX: a whole greeting is not enough, the HELLO must follow; nor with a key, where the
+  // CHALLENGE and PROOF must. asyncmsg without a key: a whole greeting is a connection.
   std::vector<std::size_t> parts{0, 1, 4, 15};
-  if (m_type == BackendType::UCX) parts.push_back(GREETING_SIZE);
+  if (m_type == BackendType::UCX || keyed()) parts.push_back(GREETING_SIZE);
   for (const std::size_t part : parts) {
     const auto begin = Clock::now();
     RawPeer peer{m_listen};
@@ -146,7 +156,7 @@ TEST_P(Hostile, ResetsAtEveryStageOfTheSetUp) {
       ASSERT_NO_FATAL_FAILURE(wait_consumed(peer));
     }
     peer.reset();
-    const bool established = m_type == BackendType::ASYNCMSG && stage >= GREETING_ONLY;
+    const bool established = m_type == BackendType::ASYNCMSG && !keyed() && stage >= GREETING_ONLY;
     if (established) {  // asyncmsg: a whole greeting is a connection
       EXPECT_TRUE(wait_server_event(Recorder::Kind::CLOSED, peer.local())) << m_logs.dump();
     } else {
@@ -254,6 +264,8 @@ TEST_P(Hostile, FloodBeyondTheDescriptorLimit) {
 
 INSTANTIATE_TEST_SUITE_P(Listeners, Hostile,
                          ::testing::Values(Target{BackendType::ASYNCMSG, NetworkMode::TCP},
+                                           Target{BackendType::ASYNCMSG, NetworkMode::TCP,
+                                                  "hostile-suite-partition-key"},
                                            Target{BackendType::UCX, NetworkMode::TCP},
                                            Target{BackendType::UCX, NetworkMode::RDMA}),
                          target_name);

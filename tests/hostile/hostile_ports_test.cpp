@@ -50,6 +50,8 @@ struct Target {
   // The server's environment (a VAR=value word for sh) and what the name says of it.
   std::string_view environment{};
   std::string_view suffix{};
+  // Admission (docs/admission.md): server and clients run with --partition-key.
+  std::string_view partition_key{};
 };
 
 std::string target_name(const ::testing::TestParamInfo<Target>& info) {
@@ -191,9 +193,13 @@ class Ports : public ::testing::TestWithParam<Target> {
     auto server = std::make_unique<ChildProcess>(std::vector<std::string>{
         "sh", "-c",
         fmt::format("ulimit {} && {} NETIO3_LOG_LEVEL={} UCX_LOG_LEVEL=fatal exec {} --server "
-                    "--backend {} --mode {} --bind 127.0.0.1 --port 0 2>{}",
+                    "--backend {} --mode {} --bind 127.0.0.1 --port 0{} 2>{}",
                     ulimit_args, GetParam().environment, log_level, NETIO3_PERF,
-                    to_string(GetParam().type), to_string(GetParam().mode), m_log_path)});
+                    to_string(GetParam().type), to_string(GetParam().mode),
+                    GetParam().partition_key.empty()
+                        ? std::string{}
+                        : fmt::format(" --partition-key '{}'", GetParam().partition_key),
+                    m_log_path)});
     constexpr std::string_view LISTENING = "listening on 127.0.0.1:";
     const auto port_line = [&](const std::string& out) {
       const auto at = out.find(LISTENING);
@@ -214,19 +220,23 @@ class Ports : public ::testing::TestWithParam<Target> {
   // A netio3-perf client moves data to the server and says every message arrived intact.
   void expect_service() {
 #ifdef NETIO3_PERF
-    ChildProcess client{
-        { NETIO3_PERF,
-          "--client",
-          fmt::format("127.0.0.1:{}", m_port),
-          "--backend",
-          std::string{to_string(GetParam().type)},
-          "--mode",
-          std::string{to_string(GetParam().mode)},
-          "--duration",
-          "1",
-          "--size",
-          "4k",
-          "--quiet" }};
+    std::vector<std::string> args{NETIO3_PERF,
+                                  "--client",
+                                  fmt::format("127.0.0.1:{}", m_port),
+                                  "--backend",
+                                  std::string{to_string(GetParam().type)},
+                                  "--mode",
+                                  std::string{to_string(GetParam().mode)},
+                                  "--duration",
+                                  "1",
+                                  "--size",
+                                  "4k",
+                                  "--quiet"};
+    if (!GetParam().partition_key.empty()) {
+      args.emplace_back("--partition-key");
+      args.emplace_back(GetParam().partition_key);
+    }
+    ChildProcess client{args};
     const auto status = client.wait(Clock::now() + 60s);
     EXPECT_EQ(status, 0) << client.out() << client.err() << "\nthe server's log:\n" << server_log();
 #endif
@@ -362,10 +372,14 @@ INSTANTIATE_TEST_SUITE_P(Servers, Ports,
                                            Target{BackendType::UCX, NetworkMode::TCP},
                                            Target{BackendType::UCX, NetworkMode::RDMA},
                                            Target{BackendType::UCX, NetworkMode::TCP,
-                                                  "NETIO3_UCX_PROGRESS_BUDGET_US=0", "_budget0"}),
+                                                  "NETIO3_UCX_PROGRESS_BUDGET_US=0", "_budget0"},
+                                           Target{BackendType::ASYNCMSG, NetworkMode::TCP, "",
+                                                  "_keyed", "hostile-suite-partition-key"}),
                          target_name);
 INSTANTIATE_TEST_SUITE_P(Servers, PortsAtTheLimit,
                          ::testing::Values(Target{BackendType::ASYNCMSG, NetworkMode::TCP},
+                                           Target{BackendType::ASYNCMSG, NetworkMode::TCP, "",
+                                                  "_keyed", "hostile-suite-partition-key"},
                                            Target{BackendType::LIBFABRIC, NetworkMode::TCP},
                                            Target{BackendType::UCX, NetworkMode::TCP},
                                            Target{BackendType::UCX, NetworkMode::RDMA}),

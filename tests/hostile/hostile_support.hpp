@@ -524,9 +524,11 @@ inline ConnectionParameters listen_params() {
 class LegitClient {
  public:
   LegitClient(const std::shared_ptr<netio3::EpollEventLoop>& loop, EndPointAddress server,
-              BackendType type = BackendType::ASYNCMSG, NetworkMode mode = NetworkMode::TCP)
+              BackendType type = BackendType::ASYNCMSG, NetworkMode mode = NetworkMode::TCP,
+              std::string partition_key = {})
       : m_server{std::move(server)} {
     auto config = m_rec.config(netio3::ThreadSafetyModel::SAFE, mode);
+    config.partition_key = std::move(partition_key);
     config.on_send_completed_cb = [this](const EndPointAddress&, std::uint64_t key) {
       {
         const std::lock_guard lock{m_mutex};
@@ -706,12 +708,13 @@ class HostileListener : public ::testing::Test {
     auto config = m_server_rec.config(netio3::ThreadSafetyModel::SAFE, m_mode);
     config.on_data_cb = [this](std::span<const std::uint8_t> data) { m_checker.on_message(data); };
     config.limits = limits;
+    config.partition_key = m_partition_key;
     m_server = netio3::Netio3Backend::create(m_type, std::move(config), loop());
     m_listen = m_server->open_listen_endpoint({"127.0.0.1", 0}, listen_params());
     ASSERT_NE(m_listen.port, 0);
 
     m_checker.expect_stream(LEGIT_STREAM);
-    m_client = std::make_unique<LegitClient>(loop(), m_listen, m_type, m_mode);
+    m_client = std::make_unique<LegitClient>(loop(), m_listen, m_type, m_mode, m_partition_key);
     ASSERT_TRUE(m_client->connect()) << m_logs.dump();
     ASSERT_TRUE(m_server_rec.wait(
         [](const Recorder& r) { return r.count(Recorder::Kind::ESTABLISHED) == 1; }));
@@ -785,7 +788,7 @@ class HostileListener : public ::testing::Test {
     {  // the listener keeps working
       const std::uint32_t stream = m_next_stream++;
       m_checker.expect_stream(stream);
-      LegitClient fresh{loop(), m_listen, m_type, m_mode};
+      LegitClient fresh{loop(), m_listen, m_type, m_mode, m_partition_key};
       EXPECT_TRUE(fresh.connect()) << "listener no longer accepts" << m_logs.dump();
       for (std::uint32_t seq = 0; seq < 20; ++seq) {
         EXPECT_EQ(fresh.send(stream, seq, PREFIX + seq * 100), NetioStatus::OK);
@@ -814,6 +817,8 @@ class HostileListener : public ::testing::Test {
 
   BackendType m_type{BackendType::ASYNCMSG};
   NetworkMode m_mode{NetworkMode::TCP};
+  // Admission (docs/admission.md): the server and the legitimate clients hold this key.
+  std::string m_partition_key;
   // Declared first: destroyed last, after the backends stopped logging.
   LogCapture m_logs;
   StreamChecker m_checker;

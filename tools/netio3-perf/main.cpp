@@ -47,7 +47,7 @@ constexpr int EXIT_ERROR = 3;
 
 const char* const USAGE = R"(usage:
   netio3-perf --server [--backend B] [--mode tcp|rdma] [--bind IP] [--port P] [--max-size BYTES]
-              [--busy-poll US]
+              [--busy-poll US] [--partition-key KEY]
   netio3-perf --client IP:PORT [run options]
   netio3-perf [--loopback] [run options]          (server and client in this process)
   netio3-perf --list-backends
@@ -68,6 +68,9 @@ run options:
   --busy-poll US                     event loops poll this long after activity before
                                      sleeping (EpollEventLoop::Options; default 0, or
                                      NETIO3_BUSY_POLL_US); also for --server
+  --partition-key KEY                admission (docs/admission.md): both ends prove KEY (at
+                                     least 16 bytes) when connecting; also for --server.
+                                     Each run reports its mean connection set-up time
   --json FILE                        append one JSON record per run (JSON Lines)
   --quiet                            no progress line
   --stats                            print the client backend's statistics after each run
@@ -102,8 +105,9 @@ Args parse_args(int argc, char** argv) {
   static const std::vector<std::string> FLAGS{
       "server", "loopback", "quiet", "stats", "list-backends", "help", "on-ready", "same-buffer"};
   static const std::vector<std::string> VALUES{
-      "client", "backend", "mode",   "send", "test", "size", "duration", "connections", "threads",
-      "window", "verify",  "warmup", "json", "bind", "port", "max-size", "busy-poll"};
+      "client",   "backend",     "mode",    "send",     "test",      "size",
+      "duration", "connections", "threads", "window",   "verify",    "warmup",
+      "json",     "bind",        "port",    "max-size", "busy-poll", "partition-key"};
   Args args;
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i];
@@ -216,6 +220,7 @@ ServerOptions server_options(const Args& args, const Common& common) {
   o.max_size = parse_number("max-size", args.get("max-size", std::to_string(o.max_size)));
   if (o.max_size < HEADER_SIZE) throw UsageError{"--max-size: below the header size"};
   o.quiet = args.flag("quiet");
+  o.partition_key = args.get("partition-key", "");
   return o;
 }
 
@@ -296,6 +301,7 @@ int run_clients(const Args& args, bool loopback) {
   base.progress = !args.flag("quiet") && ::isatty(STDERR_FILENO) == 1;
   base.busy_poll = busy_poll(args);
   base.stats = args.flag("stats");
+  base.partition_key = args.get("partition-key", "");
   base.on_ready = args.flag("on-ready");
   if (base.on_ready && (base.threads > 0 || base.test != Test::THROUGHPUT)) {
     throw UsageError{"--on-ready: throughput with --threads 0 only"};
@@ -367,6 +373,8 @@ int run_clients(const Args& args, bool loopback) {
                                  r.intact ? "intact" : "NOT INTACT: " + r.error);
       }
       if (options.on_ready) std::cout << fmt::format(", {} ready callbacks", r.ready_callbacks);
+      std::cout << fmt::format(", set-up {:.0f} us{}", r.setup_us,
+                               options.partition_key.empty() ? "" : " (partition key)");
       std::cout << std::endl;
       if (r.stats) {
         const auto& s = *r.stats;
@@ -389,7 +397,8 @@ int run_clients(const Args& args, bool loopback) {
                  R"("size":{},"connections":{},"threads":{},"window":{},"same_buffer":{},"loopback":{},)"
                  R"("duration_s":{:.6g},"messages":{},"bytes":{},"msgs_per_s":{},"bytes_per_s":{},)"
                  R"("gbit_per_s":{},"cpu_ns_per_msg":{},"server_cpu_ns_per_msg":{},)"
-                 R"("p50_us":{},"p99_us":{},"p999_us":{},"intact":{},"error":{}}})",
+                 R"("p50_us":{},"p99_us":{},"p999_us":{},"setup_us":{},"partition_key":{},"intact":{},)"
+                 R"("error":{}}})",
                  common.backend, common.mode, to_string(options.send), test, size,
                  options.connections, options.threads, r.window, options.same_buffer, loopback,
                  r.seconds, r.messages, r.bytes,
@@ -400,7 +409,8 @@ int run_clients(const Args& args, bool loopback) {
                  json_number(r.ok && !loopback ? std::optional{r.server_cpu_ns_per_msg}
                                                : std::nullopt),
                  json_number(r.p50_us), json_number(r.p99_us), json_number(r.p999_us),
-                 r.ok && r.intact, json_string(r.error))
+                 json_number(r.ok ? std::optional{r.setup_us} : std::nullopt),
+                 !options.partition_key.empty(), r.ok && r.intact, json_string(r.error))
           << '\n';
       if (!json) {
         std::cerr << fmt::format("netio3-perf: cannot write {}\n", json_path);

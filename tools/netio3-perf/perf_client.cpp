@@ -85,6 +85,8 @@ struct Conn {
   // Set-up and end (under Run::m_mutex).
   std::uint32_t token{0};
   bool established{false};
+  std::chrono::steady_clock::time_point opened{};
+  std::chrono::steady_clock::time_point established_at{};
   bool hello{false};
   bool refused{false};
   bool closed{false};
@@ -231,6 +233,7 @@ Run::Run(const ClientOptions& options, const EndPointAddress& server)
     config.on_ready_to_send_cb = [this](const EndPointAddress& remote) { on_ready(remote); };
   }
   config.limits.max_message_size = std::max(options.size, CONTROL_SIZE);
+  config.partition_key = options.partition_key;
   m_backend = Netio3Backend::create(options.backend, std::move(config), m_loop);
   m_loop_thread = std::jthread{[loop = m_loop] { loop->run(); }};
   // run_sync() runs inline while the loop is not running yet: wait until it dispatches, so
@@ -303,6 +306,7 @@ void Run::on_established(const EndPointAddress& remote) {
   if (c == nullptr) return;
   const std::lock_guard lock{m_mutex};
   c->established = true;
+  c->established_at = std::chrono::steady_clock::now();
   m_cv.notify_all();
 }
 
@@ -599,6 +603,7 @@ void Run::connect(Conn& c) {
     m_pending = c.index;
   }
   m_by_port[c.address.port].store(c.index, std::memory_order_release);
+  c.opened = Clock::now();
   api([&] { m_backend->open_active_endpoint(c.address, params); });
   if (!wait([&] { return c.established && c.hello; }, SETUP_TIMEOUT) && !failed()) {
     fail(fmt::format("connection to {} not set up within {} s", c.address,
@@ -718,6 +723,14 @@ RunResult Run::execute() {
       connect(add_conn(EndPointAddress{m_server.address, port}));
       if (failed()) return error(failure());
     }
+  }
+  {
+    const std::lock_guard lock{m_mutex};
+    double total_us = 0;
+    for (const auto& c : m_conns) {
+      total_us += std::chrono::duration<double, std::micro>(c->established_at - c->opened).count();
+    }
+    result.setup_us = total_us / static_cast<double>(m_conns.size());
   }
   // START on every connection.
   const StartBody start{.test = m_options.test,

@@ -40,6 +40,8 @@ struct ClientOptions {
   // Zero-copy: every DATA message from one buffer, written once, up to `window` of them in
   // flight - the working set of iperf3 and ucx_perftest (docs/benchmarks.md). Verify::SIZE.
   bool same_buffer{false};
+  // NetworkConfig::partition_key (admission, docs/admission.md); empty: none.
+  std::string partition_key;
 };
 
 struct RunResult {
@@ -55,6 +57,7 @@ struct RunResult {
   double server_cpu_ns_per_msg{0};                // the server process (from its report)
   std::optional<double> p50_us, p99_us, p999_us;  // latency: round trip
   std::size_t window{0};
+  double setup_us{0};  // connection set-up (open_active_endpoint to established), mean
   std::uint64_t ready_callbacks{0};  // --on-ready: on_ready_to_send_cb calls
   // --stats: the client backend's statistics after the connections closed.
   std::optional<BackendStatistics> stats;

@@ -38,6 +38,7 @@ PerfServer::PerfServer(const ServerOptions& options, std::shared_ptr<BaseEventLo
     on_completed(remote);
   };
   config.limits.max_message_size = std::max(options.max_size, CONTROL_SIZE);
+  config.partition_key = options.partition_key;
   m_backend = Netio3Backend::create(options.backend, std::move(config), m_loop);
   m_address = m_backend->open_listen_endpoint({options.bind, options.port}, listen_params());
 }

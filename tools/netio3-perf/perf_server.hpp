@@ -21,6 +21,7 @@ struct ServerOptions {
   std::size_t max_size{(std::size_t{1} << 20U) + 64};  // largest message accepted
   std::size_t recv_buffers{64};                        // per connection
   bool quiet{false};
+  std::string partition_key;  // NetworkConfig::partition_key; empty: none
 };
 
 // The receiving end: accepts connections, checks every DATA message (order, size, content),

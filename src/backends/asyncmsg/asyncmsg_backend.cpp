@@ -155,7 +155,7 @@ void Backend::close_transport(const std::shared_ptr<Connection>& conn) {
   }
   release_receive_memory(*conn);
   const auto& ending = conn->ending_info;
-  if (ending.cause == CloseCause::LOCAL && ending.was_open) {
+  if ((ending.cause == CloseCause::LOCAL && ending.was_open) || conn->linger_on_close) {
     linger(*conn);
   } else {
     drain_and_close(conn->socket);
@@ -268,6 +268,7 @@ void Backend::accept_one(const std::shared_ptr<Listener>& listener, tcp::socket 
     return;
   }
   NETIO3_DEBUG("asyncmsg: accepted connection from {} on {}", remote, listener->address);
+  conn->listener_address = listener->address;
   send_greeting(conn);
 }
 
@@ -360,6 +361,9 @@ bool Backend::reconnect_from_new_source_port(const std::shared_ptr<Connection>& 
   conn->decoder.reset();
   conn->epollout = false;
   conn->large_messages = false;
+  conn->peer_nonce.reset();
+  conn->peer_keyed = false;
+  conn->awaiting_verdict = false;
   const std::lock_guard lock{conn->mutex};
   conn->fd = m_loop->add_fd(conn->socket.native_handle(), EPOLLOUT, socket_callback(conn));
   return true;
@@ -375,11 +379,38 @@ void Backend::refuse_address_in_use(Connection& conn) {
 }
 
 void Backend::send_greeting(const std::shared_ptr<Connection>& conn) {
-  const auto greeting = encode_greeting(Greeting{
-      .minor = VERSION_MINOR, .max_message_size = static_cast<std::uint32_t>(m_max_message)});
+  // Admission (1.3): a keyed side announces it and sends its challenge at once; a server
+  // with a key or an accept hook tells the client to wait for its verdict.
+  std::uint32_t flags = 0;
+  if (keyed()) flags |= detail::GREETING_KEYED;
+  if (!conn->active() && (keyed() || m_config.on_accept_cb)) flags |= detail::GREETING_VERDICT;
+  const auto greeting =
+      encode_greeting(Greeting{.minor = VERSION_MINOR,
+                               .max_message_size = static_cast<std::uint32_t>(m_max_message),
+                               .flags = flags});
   {
     const std::lock_guard lock{conn->mutex};
     conn->queue.append_copy(greeting);
+    if (keyed()) {
+      conn->own_nonce = detail::make_nonce();
+      std::array<std::uint8_t, FRAME_HEADER_SIZE> header{};
+      encode_frame_header(header.data(), detail::ADMISSION_NONCE_SIZE, detail::FRAME_CHALLENGE);
+      conn->queue.append_copy(header);
+      conn->queue.append_copy(conn->own_nonce);
+    }
+    conn->flush_pending = true;
+  }
+  flush(conn, std::chrono::steady_clock::now() + FLUSH_BUDGET);
+}
+
+void Backend::send_setup_frame(const std::shared_ptr<Connection>& conn, std::uint8_t type,
+                               std::span<const std::uint8_t> body) {
+  std::array<std::uint8_t, FRAME_HEADER_SIZE> header{};
+  encode_frame_header(header.data(), static_cast<std::uint32_t>(body.size()), type);
+  {
+    const std::lock_guard lock{conn->mutex};
+    conn->queue.append_copy(header);
+    conn->queue.append_copy(body);
     conn->flush_pending = true;
   }
   flush(conn, std::chrono::steady_clock::now() + FLUSH_BUDGET);
@@ -389,33 +420,183 @@ bool Backend::on_greeting(const std::shared_ptr<Connection>& conn, const Greetin
   // Closed by the application during set-up: its close reports it (closed, no keys) and
   // the connection is never reported established.
   if (conn->close_requested.load(std::memory_order_relaxed)) return false;
+  {
+    const std::lock_guard lock{conn->mutex};
+    conn->max_send_message = std::min<std::size_t>(m_max_message, greeting.max_message_size);
+  }
+  NETIO3_DEBUG("asyncmsg: {} speaks protocol {}.{}, accepts messages up to {} bytes, flags {:#x}",
+               conn->remote, greeting.major, greeting.minor, greeting.max_message_size,
+               greeting.flags);
+  // 1.2 and later send heartbeats and accept them; older peers neither (their silence is
+  // then noticed only through TCP: keepalive and TCP_USER_TIMEOUT, see configure_stream).
+  conn->peer_sends_heartbeats = greeting.minor >= detail::ASYNCMSG_HEARTBEAT_MINOR;
+  conn->peer_takes_heartbeats = conn->peer_sends_heartbeats;
+  conn->peer_keyed = (greeting.flags & detail::GREETING_KEYED) != 0;
+  if (keyed() != conn->peer_keyed) {
+    return not_admitted(conn, keyed()
+                                  ? "the peer holds no partition key, and this side requires one"
+                                  : "the peer requires a partition key, and this side has none");
+  }
+  if (conn->active()) {
+    if ((greeting.flags & detail::GREETING_VERDICT) != 0) {
+      conn->awaiting_verdict = true;  // the server's PROOF or REFUSAL decides
+      return true;
+    }
+    if (keyed()) return not_admitted(conn, "the server holds a key but gives no verdict");
+    return admitted(conn);
+  }
+  if (keyed()) return true;  // the client's CHALLENGE and PROOF come next
+  if (m_config.on_accept_cb) return decide(conn, {}, false);
+  return admitted(conn);
+}
+
+bool Backend::admitted(const std::shared_ptr<Connection>& conn) {
   try {
     if (!conn->active()) attach_send_pool(*conn);
   } catch (const std::exception& e) {
-    // Allocated only once the peer has greeted (a silent connection costs no buffers);
-    // the greetings cross, so the peer may already count the connection as established.
+    // Allocated only once the peer has been admitted (a silent or refused connection costs
+    // no buffers); the peer may already count the connection as established.
     const auto reason = fmt::format("cannot allocate send buffers: {}", e.what());
     NETIO3_WARN("asyncmsg: closing connection with {}: {}", conn->remote, reason);
     close(conn, reason, CloseCause::ERROR);
     return false;
   }
-  {
-    const std::lock_guard lock{conn->mutex};
-    conn->max_send_message = std::min<std::size_t>(m_max_message, greeting.max_message_size);
-  }
-  NETIO3_DEBUG("asyncmsg: {} speaks protocol {}.{}, accepts messages up to {} bytes", conn->remote,
-               greeting.major, greeting.minor, greeting.max_message_size);
-  // 1.2 and later send heartbeats and accept them; older peers neither (their silence is
-  // then noticed only through TCP: keepalive and TCP_USER_TIMEOUT, see configure_stream).
-  conn->peer_sends_heartbeats = greeting.minor >= detail::ASYNCMSG_HEARTBEAT_MINOR;
-  conn->peer_takes_heartbeats = conn->peer_sends_heartbeats;
+  conn->awaiting_verdict = false;
+  conn->decoder.set_max_message_size(m_max_message);
   return established(conn, capabilities(*conn));
+}
+
+bool Backend::decide(const std::shared_ptr<Connection>& conn, std::string identity,
+                     bool key_proven) {
+  if (m_config.on_accept_cb) {
+    const PeerInfo peer{.remote = conn->remote,
+                        .listener = conn->listener_address,
+                        .identity = std::move(identity),
+                        .key_proven = key_proven};
+    const AcceptDecision decision = detail::run_accept_hook(m_config.on_accept_cb, peer, NAME);
+    // The hook may have closed the connection or destroyed the backend.
+    if (shut_down() || conn->ending() || conn->close_requested.load()) return false;
+    if (!decision.admit) return not_admitted(conn, decision.reason);
+  }
+  std::optional<detail::AdmissionProof> proof;
+  if (keyed()) {
+    proof = m_key.prove(NAME, detail::AdmissionRole::SERVER, *conn->peer_nonce, conn->own_nonce,
+                        m_config.identity);
+  }
+  send_setup_frame(conn, detail::FRAME_PROOF, detail::encode_proof(proof, m_config.identity));
+  if (shut_down() || conn->ending()) return false;
+  return admitted(conn);
+}
+
+bool Backend::not_admitted(const std::shared_ptr<Connection>& conn, std::string_view reason) {
+  if (!conn->active()) {
+    NETIO3_WARN("asyncmsg: refusing connection from {} on {}: {}", conn->remote,
+                conn->listener_address, reason);
+    // Written directly, behind the greeting (and challenge) already written, and the socket
+    // then lingers, so that the client reads the reason rather than a reset.
+    bool written = false;
+    {
+      const std::lock_guard lock{conn->mutex};
+      if (conn->queue.empty()) {
+        const auto body = detail::encode_refusal(reason);
+        std::vector<std::uint8_t> frame(FRAME_HEADER_SIZE + body.size());
+        encode_frame_header(frame.data(), static_cast<std::uint32_t>(body.size()),
+                            detail::FRAME_REFUSAL);
+        std::copy(body.begin(), body.end(), frame.begin() + FRAME_HEADER_SIZE);
+        written = detail::send_now(conn->socket.native_handle(), frame);
+      }
+    }
+    conn->linger_on_close = written;
+  } else {
+    NETIO3_WARN("asyncmsg: connection to {} not admitted: {}", conn->remote, reason);
+  }
+  refuse(conn, RefusalCause::NOT_ADMITTED, reason);
+  return false;
+}
+
+bool Backend::setup_protocol_error(const std::shared_ptr<Connection>& conn, std::string_view what) {
+  const auto reason = fmt::format("protocol error: {}", what);
+  NETIO3_WARN("asyncmsg: closing connection with {}: {}", conn->remote, reason);
+  refuse(conn, RefusalCause::SETUP_FAILED, reason);
+  return false;
+}
+
+bool Backend::on_admission_frame(const std::shared_ptr<Connection>& conn, std::uint8_t type,
+                                 std::span<const std::uint8_t> body) {
+  const std::string_view name = type == detail::FRAME_CHALLENGE ? "CHALLENGE"
+                                : type == detail::FRAME_PROOF   ? "PROOF"
+                                                                : "REFUSAL";
+  if (!conn->setting_up()) {
+    return setup_protocol_error(conn, fmt::format("a {} frame after the set-up", name));
+  }
+  switch (type) {
+    case detail::FRAME_CHALLENGE: {
+      if (!conn->peer_keyed || conn->peer_nonce) {
+        return setup_protocol_error(conn, "an unexpected CHALLENGE frame");
+      }
+      const auto nonce = detail::decode_challenge(body);
+      if (!nonce) {
+        return setup_protocol_error(conn, fmt::format("a CHALLENGE frame of {} bytes ({} expected)",
+                                                      body.size(), detail::ADMISSION_NONCE_SIZE));
+      }
+      conn->peer_nonce = *nonce;
+      if (conn->active()) {
+        const auto proof = m_key.prove(NAME, detail::AdmissionRole::CLIENT, *conn->peer_nonce,
+                                       conn->own_nonce, m_config.identity);
+        send_setup_frame(conn, detail::FRAME_PROOF, detail::encode_proof(proof, m_config.identity));
+        if (shut_down() || conn->ending()) return false;
+      }
+      return true;
+    }
+    case detail::FRAME_PROOF: {
+      std::string error;
+      auto decoded = detail::decode_proof(body, error);
+      if (!decoded) return setup_protocol_error(conn, error);
+      if (keyed() && (!conn->peer_nonce || !decoded->proof)) {
+        return setup_protocol_error(conn, "a PROOF frame without a proof, or before a CHALLENGE");
+      }
+      if (conn->active()) {
+        if (!conn->awaiting_verdict) return setup_protocol_error(conn, "an unexpected PROOF frame");
+        if (keyed() && !m_key.verify(NAME, detail::AdmissionRole::SERVER, conn->own_nonce,
+                                     *conn->peer_nonce, decoded->identity, *decoded->proof)) {
+          return not_admitted(conn, "the server failed to prove the partition key");
+        }
+        return admitted(conn);
+      }
+      if (!keyed()) return setup_protocol_error(conn, "a PROOF frame to a server without a key");
+      if (!m_key.verify(NAME, detail::AdmissionRole::CLIENT, conn->own_nonce, *conn->peer_nonce,
+                        decoded->identity, *decoded->proof)) {
+        return not_admitted(conn,
+                            "the peer failed to prove the partition key (another key, or a "
+                            "replayed set-up)");
+      }
+      return decide(conn, std::move(decoded->identity), true);
+    }
+    default: {  // REFUSAL
+      if (!conn->active()) return setup_protocol_error(conn, "a REFUSAL frame from a client");
+      const auto reason = fmt::format("refused by the server: {}", detail::decode_refusal(body));
+      NETIO3_WARN("asyncmsg: connection to {} not admitted: {}", conn->remote, reason);
+      refuse(conn, RefusalCause::NOT_ADMITTED, reason);
+      return false;
+    }
+  }
 }
 
 bool Backend::on_message(const std::shared_ptr<Connection>& conn,
                          std::span<const std::uint8_t> message) {
+  const std::uint8_t type = conn->decoder.frame_type();
+  if (type >= detail::FRAME_CHALLENGE) [[unlikely]] {
+    if (shut_down() || conn->ending() || conn->close_requested.load()) return false;
+    return on_admission_frame(conn, type, message);
+  }
+  if (conn->setting_up() && !conn->ending() && !shut_down() &&
+      !conn->close_requested.load(std::memory_order_relaxed)) [[unlikely]] {
+    return setup_protocol_error(conn,
+                                fmt::format("a {} frame before the connection was admitted",
+                                            type == detail::FRAME_DATA ? "DATA" : "HEARTBEAT"));
+  }
   if (!still_open(*conn)) return false;
-  if (conn->decoder.frame_type() == detail::FRAME_HEARTBEAT) [[unlikely]] {
+  if (type == detail::FRAME_HEARTBEAT) [[unlikely]] {
     if (message.empty()) return true;
     const auto reason =
         fmt::format("protocol error: a heartbeat frame with {} bytes of body", message.size());

@@ -27,6 +27,7 @@
 #include "backends/asyncmsg/asyncmsg_backend.hpp"
 #include "backends/asyncmsg/send_queue.hpp"
 #include "backends/asyncmsg/wire.hpp"
+#include "common/admission.hpp"
 #include "common/backend_facade.hpp"
 #include "common/buffer_pool.hpp"
 #include "common/connection.hpp"
@@ -102,7 +103,7 @@ struct Connection : detail::ConnectionBase {
       : ConnectionBase{id_, std::move(remote_), params_, listener_id_, true, initial},
         io{std::move(io_)},
         socket{*io},
-        decoder{max_message_size},
+        decoder{std::min(max_message_size, detail::MAX_ADMISSION_FRAME)},
         queue{std::move(chunks)} {}
 
   std::shared_ptr<asio::io_context> io;
@@ -115,6 +116,15 @@ struct Connection : detail::ConnectionBase {
   bool receive_paused{false};  // waiting for receive memory: not reading
   bool large_messages{false};  // the last message was read directly: so will the next be
   std::size_t reserved{0};     // receive memory admitted for the message being assembled
+
+  // Admission (docs/admission.md), loop thread only. Until the connection is established its
+  // decoder takes no frame larger than detail::MAX_ADMISSION_FRAME.
+  EndPointAddress listener_address;  // accepted: the listening endpoint it came in through
+  detail::AdmissionNonce own_nonce{};
+  std::optional<detail::AdmissionNonce> peer_nonce;  // the peer's CHALLENGE
+  bool peer_keyed{false};                            // the peer's greeting said KEYED
+  bool awaiting_verdict{false};  // client: the server's PROOF or REFUSAL ends the set-up
+  bool linger_on_close{false};   // a REFUSAL was written: let it reach the peer
 
   // Under `mutex`.
   SendQueue queue;
@@ -145,7 +155,8 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
       : Engine{NAME, std::move(config), std::move(loop), ThreadSafetyModel::SAFE},
         m_io{std::make_shared<asio::io_context>(1)},
         m_chunks{std::make_shared<ChunkCache>(CACHED_CHUNKS)},
-        m_max_message{std::min(m_config.limits.max_message_size, WIRE_MAX_MESSAGE_SIZE)} {
+        m_max_message{std::min(m_config.limits.max_message_size, WIRE_MAX_MESSAGE_SIZE)},
+        m_key{m_config.partition_key} {
     const auto& shared_tx = m_config.shared_send_buffers;
     if (shared_tx.use_shared_send_buffers) {
       m_shared_send_pool = std::make_unique<detail::BufferPool>(
@@ -283,6 +294,22 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
 
   bool on_greeting(const std::shared_ptr<Connection>& conn, const Greeting& greeting);
 
+  // ---- admission (docs/admission.md) ------------------------------------------------
+
+  [[nodiscard]] bool keyed() const noexcept { return !m_key.empty(); }
+  // A frame of the set-up queued behind the greeting and flushed.
+  void send_setup_frame(const std::shared_ptr<Connection>& conn, std::uint8_t type,
+                        std::span<const std::uint8_t> body);
+  bool on_admission_frame(const std::shared_ptr<Connection>& conn, std::uint8_t type,
+                          std::span<const std::uint8_t> body);
+  // The peer is admitted (or needs no admission): the connection is established.
+  bool admitted(const std::shared_ptr<Connection>& conn);
+  // Server: runs the accept hook (if any) and answers with its PROOF, or refuses.
+  bool decide(const std::shared_ptr<Connection>& conn, std::string identity, bool key_proven);
+  // Ends the set-up: a REFUSAL with the reason to a client, NOT_ADMITTED for a client.
+  bool not_admitted(const std::shared_ptr<Connection>& conn, std::string_view reason);
+  bool setup_protocol_error(const std::shared_ptr<Connection>& conn, std::string_view what);
+
   bool on_message(const std::shared_ptr<Connection>& conn, std::span<const std::uint8_t> message);
 
   void on_readable(const std::shared_ptr<Connection>& conn);
@@ -322,6 +349,7 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
   const std::shared_ptr<asio::io_context> m_io;  // never run: socket services only
   const std::shared_ptr<ChunkCache> m_chunks;
   const std::size_t m_max_message;
+  const detail::PartitionKey m_key;
   std::unique_ptr<detail::BufferPool> m_shared_send_pool;
   std::mutex m_flush_mutex;
   std::vector<std::shared_ptr<Connection>> m_flush_list;
