@@ -130,7 +130,7 @@ class Run {
  private:
   // Callbacks (loop thread).
   void on_established(const EndPointAddress& remote);
-  void on_refused(const EndPointAddress& remote);
+  void on_refused(const EndPointAddress& remote, const RefusalReason& reason);
   void on_closed(const EndPointAddress& remote, const std::vector<std::uint64_t>& keys);
   void on_completed(const EndPointAddress& remote, std::uint64_t key);
   void on_data(std::span<const std::uint8_t> data);
@@ -221,7 +221,10 @@ Run::Run(const ClientOptions& options, const EndPointAddress& server)
   config.on_data_cb = [this](std::span<const std::uint8_t> data) { on_data(data); };
   config.on_connection_established_cb = [this](const EndPointAddress& remote,
                                                EndpointCapabilities) { on_established(remote); };
-  config.on_connection_refused_cb = [this](const EndPointAddress& remote) { on_refused(remote); };
+  config.on_connection_refused_reason_cb = [this](const EndPointAddress& remote,
+                                                  const RefusalReason& reason) {
+    on_refused(remote, reason);
+  };
   config.on_connection_closed_cb = [this](const EndPointAddress& remote,
                                           const std::vector<std::uint64_t>& keys) {
     on_closed(remote, keys);
@@ -310,14 +313,14 @@ void Run::on_established(const EndPointAddress& remote) {
   m_cv.notify_all();
 }
 
-void Run::on_refused(const EndPointAddress& remote) {
+void Run::on_refused(const EndPointAddress& remote, const RefusalReason& reason) {
   Conn* c = conn_of(remote);
   if (c == nullptr) return;
   {
     const std::lock_guard lock{m_mutex};
     c->refused = true;
   }
-  fail(fmt::format("connection to {} refused", remote));
+  fail(fmt::format("connection to {} refused ({}): {}", remote, reason.cause, reason.message));
 }
 
 void Run::on_closed(const EndPointAddress& remote, const std::vector<std::uint64_t>& keys) {
