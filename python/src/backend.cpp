@@ -140,6 +140,8 @@ Backend::Backend(BackendType type, PyConfig config, std::shared_ptr<Loop> loop)
                   .shared_receive_buffers = config.shared_receive_buffers,
                   .shared_send_buffers = config.shared_send_buffers};
   c.limits = config.limits;
+  c.partition_key = config.partition_key;
+  c.identity = config.identity;
   if (s->on_data_from) {
     c.on_data_from_cb = [s](const EndPointAddress& remote, std::span<const std::uint8_t> data) {
       deliver(s, &remote, data);
@@ -506,7 +508,9 @@ capabilities), on_connection_closed_cb(remote, cancelled_keys),
 on_connection_refused_cb(remote), on_connection_refused_reason_cb(remote, reason),
 on_send_completed_cb(remote, key), on_ready_to_send_cb(remote). `receive` is
 Receive.BYTES (data is a bytes copy) or Receive.MEMORYVIEW (a read-only view valid during the
-callback only, released after it).)doc")
+callback only, released after it). partition_key and identity are admission's
+(docs/admission.md; asyncmsg): a key both sides prove, at least 16 bytes, and the name this side
+presents; a refused client gets RefusalCause.NOT_ADMITTED with the server's reason.)doc")
       .def(py::init([](NetworkMode mode, ThreadSafetyModel thread_safety,
                        SharedReceiveBuffers shared_receive_buffers,
                        SharedSendBuffers shared_send_buffers, py::object on_data_cb,
@@ -514,7 +518,7 @@ callback only, released after it).)doc")
                        py::object on_connection_refused_cb, py::object on_send_completed_cb,
                        NetworkLimits limits, py::object on_ready_to_send_cb,
                        py::object on_data_from_cb, py::object on_connection_refused_reason_cb,
-                       Receive receive) {
+                       Receive receive, std::string partition_key, std::string identity) {
              return PyConfig{mode,
                              thread_safety,
                              shared_receive_buffers,
@@ -528,7 +532,9 @@ callback only, released after it).)doc")
                              std::move(on_ready_to_send_cb),
                              std::move(on_data_from_cb),
                              std::move(on_connection_refused_reason_cb),
-                             receive};
+                             receive,
+                             std::move(partition_key),
+                             std::move(identity)};
            }),
            py::kw_only(), py::arg("mode") = NetworkMode::TCP,
            py::arg("thread_safety") = ThreadSafetyModel::SAFE,
@@ -540,7 +546,8 @@ callback only, released after it).)doc")
            py::arg("on_send_completed_cb") = py::none(), py::arg("limits") = NetworkLimits{},
            py::arg("on_ready_to_send_cb") = py::none(), py::arg("on_data_from_cb") = py::none(),
            py::arg("on_connection_refused_reason_cb") = py::none(),
-           py::arg("receive") = Receive::BYTES)
+           py::arg("receive") = Receive::BYTES, py::arg("partition_key") = std::string{},
+           py::arg("identity") = std::string{})
       .def_readwrite("mode", &PyConfig::mode)
       .def_readwrite("thread_safety", &PyConfig::thread_safety)
       .def_readwrite("shared_receive_buffers", &PyConfig::shared_receive_buffers)
@@ -554,7 +561,9 @@ callback only, released after it).)doc")
       .def_readwrite("on_ready_to_send_cb", &PyConfig::on_ready_to_send_cb)
       .def_readwrite("on_data_from_cb", &PyConfig::on_data_from_cb)
       .def_readwrite("on_connection_refused_reason_cb", &PyConfig::on_connection_refused_reason_cb)
-      .def_readwrite("receive", &PyConfig::receive);
+      .def_readwrite("receive", &PyConfig::receive)
+      .def_readwrite("partition_key", &PyConfig::partition_key)
+      .def_readwrite("identity", &PyConfig::identity);
 
   py::class_<PyNetworkBuffer>(m, "NetworkBuffer", R"doc(
 A send buffer lent by NetworkBackend.get_buffer: write into it, then send_buffer(). It is

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <string>
 #include <unordered_map>
 #include <unordered_set>
 #include <vector>
@@ -47,6 +48,9 @@ struct PyConfig {
   py::object on_data_from_cb = py::none();
   py::object on_connection_refused_reason_cb = py::none();
   Receive receive{Receive::BYTES};
+  // Admission (docs/admission.md): the partition key and the identity this side presents.
+  std::string partition_key;
+  std::string identity;
 };
 
 // What the Python side keeps per connection (created when it is established, or at the

@@ -110,6 +110,32 @@ def test_a_refusal_says_why(loop, backend):
     b.close()
 
 
+def test_a_partition_key_admits_its_holders_only(loop):
+    key = "partition-of-the-python-test"
+    rs, good, wrong = Recorder(), Recorder(), Recorder()
+    server = netio3.create("asyncmsg", rs.config(partition_key=key), loop)
+    listening = server.open_listen_endpoint(("127.0.0.1", 0), netio3.ConnectionParameters(RECV))
+    params = netio3.ConnectionParameters(
+        send_buffered_params=netio3.SendBufferedParameters(4096, 4))
+    client = netio3.create("asyncmsg", good.config(partition_key=key, identity="ros-1"), loop)
+    stranger = netio3.create("asyncmsg", wrong.config(partition_key="another-partition-key"),
+                             loop)
+    client.open_active_endpoint(listening, params)
+    stranger.open_active_endpoint(listening, params)
+    assert drive(loop, lambda: good.established and wrong.refused), (good.refused, wrong.refused)
+    _, reason = wrong.refused[0]
+    assert reason.cause == netio3.RefusalCause.NOT_ADMITTED
+    assert "failed to prove the partition key" in reason.message
+    assert client.send_data_copy(listening, b"admitted", b"", 1) == netio3.NetioStatus.OK
+    assert drive(loop, lambda: rs.data)
+    assert [data for _, data in rs.data] == [b"admitted"]
+    assert len(rs.established) == 1
+    with pytest.raises(netio3.InvalidConfiguration):
+        netio3.create("asyncmsg", netio3.NetworkConfig(partition_key="short"), loop)
+    for b in (stranger, client, server):
+        b.close()
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_zero_copy_from_bytes_bytearray_memoryview_and_numpy(loop, backend):
     region = np.zeros(1 << 16, dtype=np.uint8)  # UCX and libfabric send from inside it only

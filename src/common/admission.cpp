@@ -86,6 +86,13 @@ AdmissionNonce make_nonce() {
   return nonce;
 }
 
+std::uint64_t random_u64() {
+  ensure_sodium();
+  std::uint64_t value = 0;
+  randombytes_buf(&value, sizeof value);
+  return value;
+}
+
 void check_admission_config(const NetworkConfig& config) {
   if (!config.partition_key.empty() && config.partition_key.size() < MIN_PARTITION_KEY_SIZE) {
     throw InvalidConfiguration(

@@ -64,6 +64,9 @@ class PartitionKey {
 
 // A fresh nonce from the system's random source.
 [[nodiscard]] AdmissionNonce make_nonce();
+// A 64-bit number from the system's random source (UCX's connection tokens: a peer that has
+// seen some must not be able to predict others).
+[[nodiscard]] std::uint64_t random_u64();
 
 // The configuration's admission settings checked (InvalidConfiguration with the reason).
 void check_admission_config(const NetworkConfig& config);

@@ -82,6 +82,7 @@ inline constexpr FrameProtocol ASYNCMSG_PROTOCOL{"asyncmsg", ASYNCMSG_MAJOR, 3,
                                                      (1U << FRAME_CHALLENGE) | (1U << FRAME_PROOF) |
                                                      (1U << FRAME_REFUSAL)};
 inline constexpr std::uint16_t ASYNCMSG_HEARTBEAT_MINOR = 2;
+inline constexpr std::uint16_t ASYNCMSG_ADMISSION_MINOR = 3;
 
 // The default major is asyncmsg's, whose greeting this layout was first.
 struct Greeting {

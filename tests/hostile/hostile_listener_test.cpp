@@ -40,7 +40,7 @@ class Hostile : public HostileListener, public ::testing::WithParamInterface<Tar
   // The greeting of the target's protocol (its major version names it); with a key, one that
   // says it holds one (asyncmsg 1.3: a CHALLENGE must follow).
   [[nodiscard]] Bytes own_greeting() const {
-    if (keyed()) return greeting(1, 3, 1U << 20U, 2);
+    if (keyed()) return greeting(m_type == BackendType::UCX ? 3 : 1, 3, 1U << 20U, 2);
     return greeting(m_type == BackendType::UCX ? 3 : 1, 0, 1U << 20U);
   }
 };
@@ -267,6 +267,8 @@ INSTANTIATE_TEST_SUITE_P(Listeners, Hostile,
                                            Target{BackendType::ASYNCMSG, NetworkMode::TCP,
                                                   "hostile-suite-partition-key"},
                                            Target{BackendType::UCX, NetworkMode::TCP},
+                                           Target{BackendType::UCX, NetworkMode::TCP,
+                                                  "hostile-suite-partition-key"},
                                            Target{BackendType::UCX, NetworkMode::RDMA}),
                          target_name);
 

@@ -92,10 +92,17 @@ TEST_P(HostileUcx, MalformedControlFramesAreRefusedWithTheReason) {
     expect_dropped(peer, {reason});
     EXPECT_EQ(server_events(Recorder::Kind::ESTABLISHED, peer.local()), 0U);
   };
-  for (const std::uint8_t type : {0, 1, 5, 0x80, 0xFF}) {  // 1: asyncmsg's DATA
+  for (const std::uint8_t type : {0, 1, 8, 0x80, 0xFF}) {  // 1: asyncmsg's DATA
     Bytes frame = frame_header(16, type);
     append(frame, random_bytes(16, type));
     attack(frame, fmt::format("unknown frame type {}", type));
+  }
+  // 3.3's admission frames (5 CHALLENGE, 6 PROOF, 7 REFUSAL): a server without a key or a
+  // hook admitted the peer with its greeting, so they come after the set-up.
+  for (const auto& [type, name] : {std::pair{5, "CHALLENGE"}, {6, "PROOF"}, {7, "REFUSAL"}}) {
+    Bytes frame = frame_header(16, static_cast<std::uint8_t>(type));
+    append(frame, random_bytes(16, static_cast<std::uint32_t>(type)));
+    attack(frame, fmt::format("a {} frame after the set-up", name));
   }
   Bytes heartbeat = frame_header(16, FRAME_HEARTBEAT);  // 3.2's HEARTBEAT has no body
   append(heartbeat, random_bytes(16, FRAME_HEARTBEAT));

@@ -86,7 +86,7 @@ void Backend::open_active_endpoint(const EndPointAddress& address,
   const auto held = m_registry.lock();
   m_registry.check_connection_free(held, address);
   auto conn = std::make_shared<Connection>(next_id(), m_io, m_chunks, address, params, 0,
-                                           Phase::CONNECTING, m_max_message);
+                                           Phase::CONNECTING);
   attach_send_pool(*conn);
   int err = 0;
   try {
@@ -247,7 +247,7 @@ void Backend::accept_one(const std::shared_ptr<Listener>& listener, tcp::socket 
   }
   EndPointAddress remote{peer.address().to_string(), peer.port()};
   auto conn = std::make_shared<Connection>(next_id(), m_io, m_chunks, remote, listener->params,
-                                           listener->id, Phase::HANDSHAKE, m_max_message);
+                                           listener->id, Phase::HANDSHAKE);
   conn->socket = std::move(socket);
   Admission admission{};
   {
@@ -431,6 +431,7 @@ bool Backend::on_greeting(const std::shared_ptr<Connection>& conn, const Greetin
   // then noticed only through TCP: keepalive and TCP_USER_TIMEOUT, see configure_stream).
   conn->peer_sends_heartbeats = greeting.minor >= detail::ASYNCMSG_HEARTBEAT_MINOR;
   conn->peer_takes_heartbeats = conn->peer_sends_heartbeats;
+  conn->peer_minor = greeting.minor;
   conn->peer_keyed = (greeting.flags & detail::GREETING_KEYED) != 0;
   if (keyed() != conn->peer_keyed) {
     return not_admitted(conn, keyed()
@@ -478,13 +479,17 @@ bool Backend::decide(const std::shared_ptr<Connection>& conn, std::string identi
     if (shut_down() || conn->ending() || conn->close_requested.load()) return false;
     if (!decision.admit) return not_admitted(conn, decision.reason);
   }
-  std::optional<detail::AdmissionProof> proof;
-  if (keyed()) {
-    proof = m_key.prove(NAME, detail::AdmissionRole::SERVER, *conn->peer_nonce, conn->own_nonce,
-                        m_config.identity);
+  // A client older than 1.3 (possible only without a key) took the greeting for the set-up
+  // and would reject a PROOF frame: it gets none.
+  if (keyed() || conn->peer_minor >= detail::ASYNCMSG_ADMISSION_MINOR) {
+    std::optional<detail::AdmissionProof> proof;
+    if (keyed()) {
+      proof = m_key.prove(NAME, detail::AdmissionRole::SERVER, *conn->peer_nonce, conn->own_nonce,
+                          m_config.identity);
+    }
+    send_setup_frame(conn, detail::FRAME_PROOF, detail::encode_proof(proof, m_config.identity));
+    if (shut_down() || conn->ending()) return false;
   }
-  send_setup_frame(conn, detail::FRAME_PROOF, detail::encode_proof(proof, m_config.identity));
-  if (shut_down() || conn->ending()) return false;
   return admitted(conn);
 }
 
@@ -493,20 +498,21 @@ bool Backend::not_admitted(const std::shared_ptr<Connection>& conn, std::string_
     NETIO3_WARN("asyncmsg: refusing connection from {} on {}: {}", conn->remote,
                 conn->listener_address, reason);
     // Written directly, behind the greeting (and challenge) already written, and the socket
-    // then lingers, so that the client reads the reason rather than a reset.
-    bool written = false;
+    // then lingers, so that the client reads the reason rather than a reset. A client older
+    // than 1.3 would reject the frame type: it is just closed.
     {
       const std::lock_guard lock{conn->mutex};
-      if (conn->queue.empty()) {
+      if (conn->queue.empty() && conn->peer_minor >= detail::ASYNCMSG_ADMISSION_MINOR) {
         const auto body = detail::encode_refusal(reason);
         std::vector<std::uint8_t> frame(FRAME_HEADER_SIZE + body.size());
         encode_frame_header(frame.data(), static_cast<std::uint32_t>(body.size()),
                             detail::FRAME_REFUSAL);
         std::copy(body.begin(), body.end(), frame.begin() + FRAME_HEADER_SIZE);
-        written = detail::send_now(conn->socket.native_handle(), frame);
+        (void)detail::send_now(conn->socket.native_handle(), frame);
       }
     }
-    conn->linger_on_close = written;
+    // Also after a partial write: a close with unread input or unsent bytes would reset.
+    conn->linger_on_close = true;
   } else {
     NETIO3_WARN("asyncmsg: connection to {} not admitted: {}", conn->remote, reason);
   }
@@ -720,6 +726,8 @@ void Backend::update_events(Connection& conn) {
 }
 
 bool Backend::admit(Connection& conn, std::size_t length) {
+  // The set-up's frames are bounded by the decoder (detail::MAX_ADMISSION_FRAME), not counted.
+  if (conn.setting_up()) return true;
   release_receive_memory(conn);  // a new body: the previous one is complete
   if (length > m_config.limits.max_receive_memory - m_receive_reserved) return false;
   m_receive_reserved += length;

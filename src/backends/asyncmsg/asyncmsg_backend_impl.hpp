@@ -98,12 +98,12 @@ using detail::Phase;
 struct Connection : detail::ConnectionBase {
   Connection(std::uint64_t id_, std::shared_ptr<asio::io_context> io_,
              std::shared_ptr<ChunkCache> chunks, EndPointAddress remote_,
-             const ConnectionParameters& params_, std::uint64_t listener_id_, Phase initial,
-             std::size_t max_message_size)
+             const ConnectionParameters& params_, std::uint64_t listener_id_, Phase initial)
       : ConnectionBase{id_, std::move(remote_), params_, listener_id_, true, initial},
         io{std::move(io_)},
         socket{*io},
-        decoder{std::min(max_message_size, detail::MAX_ADMISSION_FRAME)},
+        // The set-up's frames, whatever the configured limit (admitted() sets that).
+        decoder{detail::MAX_ADMISSION_FRAME},
         queue{std::move(chunks)} {}
 
   std::shared_ptr<asio::io_context> io;
@@ -122,6 +122,7 @@ struct Connection : detail::ConnectionBase {
   EndPointAddress listener_address;  // accepted: the listening endpoint it came in through
   detail::AdmissionNonce own_nonce{};
   std::optional<detail::AdmissionNonce> peer_nonce;  // the peer's CHALLENGE
+  std::uint16_t peer_minor{0};                       // the peer's protocol version (1.x)
   bool peer_keyed{false};                            // the peer's greeting said KEYED
   bool awaiting_verdict{false};  // client: the server's PROOF or REFUSAL ends the set-up
   bool linger_on_close{false};   // a REFUSAL was written: let it reach the peer

@@ -88,16 +88,37 @@ void Backend::accept_one(const std::shared_ptr<Listener>& listener, detail::Sock
   }
   track_setup(conn);
   NETIO3_DEBUG("ucx: accepted a connection from {} on {}", remote, listener->address);
+  conn->listener_address = listener->address;
   // The server greets at once; the client greets as soon as its connection is up.
   write_control(conn, opening(*conn));
 }
 
-std::vector<std::uint8_t> Backend::opening(const Connection& conn) const {
-  return encode_opening(
+std::vector<std::uint8_t> Backend::hello_frame(Connection& conn) const {
+  conn.hello_sent = true;
+  return encode_hello_frame(
       Hello{.mode = m_config.mode == NetworkMode::RDMA ? std::uint8_t{1} : std::uint8_t{0},
             .max_message_size = m_config.limits.max_message_size,
             .token = conn.id,
             .worker_address = m_worker->address()});
+}
+
+std::vector<std::uint8_t> Backend::opening(Connection& conn) const {
+  std::uint32_t flags = 0;
+  if (keyed()) flags |= detail::GREETING_KEYED;
+  if (!conn.active() && (keyed() || m_config.on_accept_cb)) flags |= detail::GREETING_VERDICT;
+  auto out = encode_control_greeting(m_config.limits.max_message_size, flags);
+  if (keyed()) {
+    conn.own_nonce = detail::make_nonce();
+    const auto frame = encode_control_frame(FRAME_CHALLENGE, conn.own_nonce);
+    out.insert(out.end(), frame.begin(), frame.end());
+  }
+  // Without admission (or for a client without a key) the HELLO goes at once; otherwise it
+  // follows this side's PROOF (a keyed client) or the server's verdict.
+  if (flags == 0) {
+    const auto frame = hello_frame(conn);
+    out.insert(out.end(), frame.begin(), frame.end());
+  }
+  return out;
 }
 
 void Backend::write_control(const std::shared_ptr<Connection>& conn,
@@ -178,13 +199,7 @@ void Backend::read_control(const std::shared_ptr<Connection>& conn) {
       ++conn->arrivals;
       const auto status = conn->decoder.feed(
           std::span<const std::uint8_t>{buffer.data(), static_cast<std::size_t>(n)},
-          [&](const detail::Greeting& greeting) {
-            // 3.2 and later send heartbeats and accept them (older peers: TCP keepalive on
-            // this channel, detail::configure_stream).
-            conn->peer_sends_heartbeats = greeting.minor >= HEARTBEAT_MINOR;
-            conn->peer_takes_heartbeats = conn->peer_sends_heartbeats;
-            return true;
-          },
+          [&](const detail::Greeting& greeting) { return on_control_greeting(conn, greeting); },
           [&](std::span<const std::uint8_t> frame) { return on_control_frame(conn, frame); });
       if (!control_active(*conn)) return;
       if (status == detail::FrameDecoder::Status::ERROR) {
@@ -227,6 +242,10 @@ bool Backend::reconnect_from_new_source_port(const std::shared_ptr<Connection>& 
   }
   conn->control_out.clear();
   conn->decoder.reset();
+  conn->peer_nonce.reset();
+  conn->peer_keyed = false;
+  conn->awaiting_verdict = false;
+  conn->hello_sent = false;
   const std::lock_guard lock{conn->mutex};
   conn->control_fd.close();
   conn->control = std::move(started.socket);
@@ -242,7 +261,18 @@ void Backend::protocol_error_now(const std::shared_ptr<Connection>& conn, const 
 
 bool Backend::on_control_frame(const std::shared_ptr<Connection>& conn,
                                std::span<const std::uint8_t> frame) {
-  if (conn->decoder.frame_type() == FRAME_HELLO) {
+  const std::uint8_t type = conn->decoder.frame_type();
+  if (type == FRAME_CHALLENGE || type == FRAME_PROOF || type == FRAME_REFUSAL) [[unlikely]] {
+    return on_admission_frame(conn, type, frame);
+  }
+  if (!conn->admitted) [[unlikely]] {
+    protocol_error_now(conn, fmt::format("a {} frame before the connection was admitted",
+                                         type == FRAME_HELLO   ? "HELLO"
+                                         : type == FRAME_CLOSE ? "CLOSE"
+                                                               : "HEARTBEAT"));
+    return false;
+  }
+  if (type == FRAME_HELLO) {
     on_hello(conn, frame);
   } else if (conn->decoder.frame_type() == FRAME_HEARTBEAT) {
     if (!frame.empty()) {
@@ -263,6 +293,172 @@ bool Backend::on_control_frame(const std::shared_ptr<Connection>& conn,
     }
   }
   return control_active(*conn);
+}
+
+bool Backend::on_control_greeting(const std::shared_ptr<Connection>& conn,
+                                  const detail::Greeting& greeting) {
+  // 3.2 and later send heartbeats and accept them (older peers: TCP keepalive on this
+  // channel, detail::configure_stream).
+  conn->peer_sends_heartbeats = greeting.minor >= HEARTBEAT_MINOR;
+  conn->peer_takes_heartbeats = conn->peer_sends_heartbeats;
+  conn->peer_minor = greeting.minor;
+  conn->peer_keyed = (greeting.flags & detail::GREETING_KEYED) != 0;
+  if (keyed() != conn->peer_keyed) {
+    return not_admitted(conn, keyed()
+                                  ? "the peer holds no partition key, and this side requires one"
+                                  : "the peer requires a partition key, and this side has none");
+  }
+  if (conn->active()) {
+    if ((greeting.flags & detail::GREETING_VERDICT) != 0) {
+      conn->awaiting_verdict = true;  // the server's PROOF (then its HELLO) or REFUSAL
+      return true;
+    }
+    if (keyed()) return not_admitted(conn, "the server holds a key but gives no verdict");
+    return admit(conn);
+  }
+  if (keyed()) return true;  // the client's CHALLENGE and PROOF come next
+  if (m_config.on_accept_cb) return decide(conn, {}, false);
+  return admit(conn);
+}
+
+bool Backend::admit(const std::shared_ptr<Connection>& conn) {
+  conn->admitted = true;
+  conn->awaiting_verdict = false;
+  conn->decoder.set_max_message_size(MAX_CONTROL_FRAME);
+  return control_active(*conn);
+}
+
+bool Backend::decide(const std::shared_ptr<Connection>& conn, std::string identity,
+                     bool key_proven) {
+  if (m_config.on_accept_cb) {
+    const PeerInfo peer{.remote = conn->remote,
+                        .listener = conn->listener_address,
+                        .identity = std::move(identity),
+                        .key_proven = key_proven};
+    const AcceptDecision decision = detail::run_accept_hook(m_config.on_accept_cb, peer, NAME);
+    // The hook may have closed the connection or destroyed the backend.
+    if (!control_active(*conn) || conn->close_requested.load()) return false;
+    if (!decision.admit) return not_admitted(conn, decision.reason);
+  }
+  std::optional<detail::AdmissionProof> proof;
+  if (keyed()) {
+    proof = m_key.prove(NAME, detail::AdmissionRole::SERVER, *conn->peer_nonce, conn->own_nonce,
+                        m_config.identity);
+  }
+  // The server's proof (none without a key: the verdict alone), then its HELLO. A client older
+  // than 3.3 (possible only without a key) waits for the HELLO alone and would reject a PROOF.
+  std::vector<std::uint8_t> out;
+  if (keyed() || conn->peer_minor >= ADMISSION_MINOR) {
+    out = encode_control_frame(FRAME_PROOF, detail::encode_proof(proof, m_config.identity));
+  }
+  const auto hello = hello_frame(*conn);
+  out.insert(out.end(), hello.begin(), hello.end());
+  write_control(conn, out);
+  if (!control_active(*conn)) return false;
+  return admit(conn);
+}
+
+bool Backend::not_admitted(const std::shared_ptr<Connection>& conn, std::string_view reason) {
+  if (!conn->active()) {
+    NETIO3_WARN("ucx: refusing connection from {} on {}: {}", conn->remote, conn->listener_address,
+                reason);
+    // Behind the greeting (and challenge) already written; the socket then lingers (also
+    // after a partial write), so that the client reads the reason rather than a reset. A
+    // client older than 3.3 would reject the frame type: it is just closed.
+    if (conn->control.valid() && conn->control_out.empty()) {
+      if (conn->peer_minor >= ADMISSION_MINOR) {
+        (void)detail::send_now(conn->control.get(),
+                               encode_control_frame(FRAME_REFUSAL, detail::encode_refusal(reason)));
+      }
+      linger_control(*conn, false);
+    }
+  } else {
+    NETIO3_WARN("ucx: connection to {} not admitted: {}", conn->remote, reason);
+  }
+  refuse(conn, RefusalCause::NOT_ADMITTED, reason);
+  return false;
+}
+
+bool Backend::on_admission_frame(const std::shared_ptr<Connection>& conn, std::uint8_t type,
+                                 std::span<const std::uint8_t> body) {
+  const std::string_view name = type == FRAME_CHALLENGE ? "CHALLENGE"
+                                : type == FRAME_PROOF   ? "PROOF"
+                                                        : "REFUSAL";
+  if (conn->admitted || conn->phase != Phase::HANDSHAKE) {
+    protocol_error_now(conn, fmt::format("a {} frame after the set-up", name));
+    return false;
+  }
+  switch (type) {
+    case FRAME_CHALLENGE: {
+      if (!conn->peer_keyed || conn->peer_nonce) {
+        protocol_error_now(conn, "an unexpected CHALLENGE frame");
+        return false;
+      }
+      const auto nonce = detail::decode_challenge(body);
+      if (!nonce) {
+        protocol_error_now(conn, fmt::format("a CHALLENGE frame of {} bytes ({} expected)",
+                                             body.size(), detail::ADMISSION_NONCE_SIZE));
+        return false;
+      }
+      conn->peer_nonce = *nonce;
+      if (conn->active()) {
+        // The client's proof, then its HELLO: the server reads the HELLO only once the proof
+        // admitted the client.
+        const auto proof = m_key.prove(NAME, detail::AdmissionRole::CLIENT, *conn->peer_nonce,
+                                       conn->own_nonce, m_config.identity);
+        auto out =
+            encode_control_frame(FRAME_PROOF, detail::encode_proof(proof, m_config.identity));
+        const auto hello = hello_frame(*conn);
+        out.insert(out.end(), hello.begin(), hello.end());
+        write_control(conn, out);
+      }
+      return control_active(*conn);
+    }
+    case FRAME_PROOF: {
+      std::string error;
+      auto decoded = detail::decode_proof(body, error);
+      if (!decoded) {
+        protocol_error_now(conn, error);
+        return false;
+      }
+      if (keyed() && (!conn->peer_nonce || !decoded->proof)) {
+        protocol_error_now(conn, "a PROOF frame without a proof, or before a CHALLENGE");
+        return false;
+      }
+      if (conn->active()) {
+        if (!conn->awaiting_verdict) {
+          protocol_error_now(conn, "an unexpected PROOF frame");
+          return false;
+        }
+        if (keyed() && !m_key.verify(NAME, detail::AdmissionRole::SERVER, conn->own_nonce,
+                                     *conn->peer_nonce, decoded->identity, *decoded->proof)) {
+          return not_admitted(conn, "the server failed to prove the partition key");
+        }
+        return admit(conn);
+      }
+      if (!keyed()) {
+        protocol_error_now(conn, "a PROOF frame to a server without a key");
+        return false;
+      }
+      if (!m_key.verify(NAME, detail::AdmissionRole::CLIENT, conn->own_nonce, *conn->peer_nonce,
+                        decoded->identity, *decoded->proof)) {
+        return not_admitted(conn,
+                            "the peer failed to prove the partition key (another key, or a "
+                            "replayed set-up)");
+      }
+      return decide(conn, std::move(decoded->identity), true);
+    }
+    default: {  // REFUSAL
+      if (!conn->active()) {
+        protocol_error_now(conn, "a REFUSAL frame from a client");
+        return false;
+      }
+      const auto reason = fmt::format("refused by the server: {}", detail::decode_refusal(body));
+      NETIO3_WARN("ucx: connection to {} not admitted: {}", conn->remote, reason);
+      refuse(conn, RefusalCause::NOT_ADMITTED, reason);
+      return false;
+    }
+  }
 }
 
 void Backend::send_heartbeat(const std::shared_ptr<Connection>& conn) {

@@ -452,25 +452,43 @@ std::optional<AmHeader> decode_header(std::span<const std::uint8_t> bytes, std::
   return std::nullopt;
 }
 
-std::vector<std::uint8_t> encode_opening(const Hello& hello) {
+std::vector<std::uint8_t> encode_control_greeting(std::uint64_t max_message_size,
+                                                  std::uint32_t flags) {
   const detail::Greeting greeting{
       .major = CONTROL_PROTOCOL.major,
       .minor = CONTROL_PROTOCOL.minor,
       .max_message_size = static_cast<std::uint32_t>(
-          std::clamp<std::uint64_t>(hello.max_message_size, 1, detail::WIRE_MAX_MESSAGE_SIZE)),
-      .flags = 0};
-  const std::size_t body = HELLO_FIXED_SIZE + hello.worker_address.size();
-  std::vector<std::uint8_t> out(detail::GREETING_SIZE + detail::FRAME_HEADER_SIZE + body, 0);
+          std::clamp<std::uint64_t>(max_message_size, 1, detail::WIRE_MAX_MESSAGE_SIZE)),
+      .flags = flags};
   const auto g = detail::encode_greeting(greeting);
-  std::copy(g.begin(), g.end(), out.begin());
-  std::uint8_t* frame = out.data() + detail::GREETING_SIZE;
-  detail::encode_frame_header(frame, static_cast<std::uint32_t>(body), FRAME_HELLO);
-  std::uint8_t* p = frame + detail::FRAME_HEADER_SIZE;
+  return {g.begin(), g.end()};
+}
+
+std::vector<std::uint8_t> encode_hello_frame(const Hello& hello) {
+  const std::size_t body = HELLO_FIXED_SIZE + hello.worker_address.size();
+  std::vector<std::uint8_t> out(detail::FRAME_HEADER_SIZE + body, 0);
+  detail::encode_frame_header(out.data(), static_cast<std::uint32_t>(body), FRAME_HELLO);
+  std::uint8_t* p = out.data() + detail::FRAME_HEADER_SIZE;
   p[0] = BACKEND_UCX;
   p[1] = hello.mode;
   detail::store_le64(p + 8, hello.max_message_size);
   detail::store_le64(p + 16, hello.token);
   std::copy(hello.worker_address.begin(), hello.worker_address.end(), p + HELLO_FIXED_SIZE);
+  return out;
+}
+
+std::vector<std::uint8_t> encode_opening(const Hello& hello) {
+  auto out = encode_control_greeting(hello.max_message_size, 0);
+  const auto frame = encode_hello_frame(hello);
+  out.insert(out.end(), frame.begin(), frame.end());
+  return out;
+}
+
+std::vector<std::uint8_t> encode_control_frame(std::uint8_t type,
+                                               std::span<const std::uint8_t> body) {
+  std::vector<std::uint8_t> out(detail::FRAME_HEADER_SIZE + body.size());
+  detail::encode_frame_header(out.data(), static_cast<std::uint32_t>(body.size()), type);
+  std::copy(body.begin(), body.end(), out.begin() + detail::FRAME_HEADER_SIZE);
   return out;
 }
 

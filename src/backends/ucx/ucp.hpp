@@ -184,6 +184,10 @@ class MemoryMap {
 //         bytes);
 //   CLOSE: 0..7 the number of active messages the sender sent on this connection (its BYE
 //         included): the peer closes once it has delivered them.
+// 3.3 adds admission (docs/admission.md): the greeting flags KEYED and VERDICT and the frames
+// CHALLENGE, PROOF and REFUSAL, as asyncmsg 1.3 has them (types 5, 6, 7 here). A side with a
+// key holds its HELLO back until it sent its PROOF; a server with a key or an accept hook
+// sends its HELLO only once it admitted the client, and reads the client's only then.
 // Every active message has id AM_ID and a 24-byte UCX header: 0 type, 1 version (3), 2 prefix
 // length P (0..16, DATA only), 3..7 zero, 8..15 sequence number (per direction, from 0),
 // 16..23 the receiver's connection token; then P bytes, the start of the message. READY
@@ -218,6 +222,10 @@ inline constexpr std::uint8_t FRAME_CLOSE = 3;
 // No body; sent by 3.2 to a 3.2 peer (common/liveness.hpp).
 inline constexpr std::uint8_t FRAME_HEARTBEAT = 4;
 inline constexpr std::uint16_t HEARTBEAT_MINOR = 2;
+inline constexpr std::uint8_t FRAME_CHALLENGE = 5;
+inline constexpr std::uint8_t FRAME_PROOF = 6;
+inline constexpr std::uint8_t FRAME_REFUSAL = 7;
+inline constexpr std::uint16_t ADMISSION_MINOR = 3;
 inline constexpr std::uint8_t BACKEND_UCX = 3;
 inline constexpr std::size_t HELLO_FIXED_SIZE = 24;
 inline constexpr std::size_t CLOSE_SIZE = 8;
@@ -225,10 +233,11 @@ inline constexpr std::size_t CLOSE_SIZE = 8;
 // are a few hundred bytes; one with many devices a few KiB).
 inline constexpr std::size_t MAX_WORKER_ADDRESS = std::size_t{64} << 10U;
 inline constexpr std::size_t MAX_CONTROL_FRAME = HELLO_FIXED_SIZE + MAX_WORKER_ADDRESS;
-// 3.1: the refusal greeting; 3.2: HEARTBEAT frames, sent only to a 3.2 peer.
+// 3.1: the refusal greeting; 3.2: HEARTBEAT frames, sent only to a 3.2 peer; 3.3: admission.
 inline constexpr detail::FrameProtocol CONTROL_PROTOCOL{
-    "ucx", detail::UCX_CONTROL_MAJOR, HEARTBEAT_MINOR,
-    (1U << FRAME_HELLO) | (1U << FRAME_CLOSE) | (1U << FRAME_HEARTBEAT)};
+    "ucx", detail::UCX_CONTROL_MAJOR, ADMISSION_MINOR,
+    (1U << FRAME_HELLO) | (1U << FRAME_CLOSE) | (1U << FRAME_HEARTBEAT) | (1U << FRAME_CHALLENGE) |
+        (1U << FRAME_PROOF) | (1U << FRAME_REFUSAL)};
 
 struct Hello {
   std::uint8_t mode{};  // 0 tcp, 1 rdma
@@ -238,6 +247,13 @@ struct Hello {
 };
 // Greeting, then the HELLO frame: what each side sends first on the control channel.
 [[nodiscard]] std::vector<std::uint8_t> encode_opening(const Hello& hello);
+// The greeting alone (with admission's flags), and the HELLO frame alone.
+[[nodiscard]] std::vector<std::uint8_t> encode_control_greeting(std::uint64_t max_message_size,
+                                                                std::uint32_t flags);
+[[nodiscard]] std::vector<std::uint8_t> encode_hello_frame(const Hello& hello);
+// A frame of the control channel: header and body.
+[[nodiscard]] std::vector<std::uint8_t> encode_control_frame(std::uint8_t type,
+                                                             std::span<const std::uint8_t> body);
 // A HELLO frame's message; nullopt (and `error` set) for one that is malformed.
 [[nodiscard]] std::optional<Hello> decode_hello(std::span<const std::uint8_t> bytes,
                                                 std::string& error);

@@ -490,7 +490,7 @@ void Backend::provision(Connection& conn) {
 
 std::uint64_t Backend::new_token(const Registry::Lock& held) {
   while (true) {
-    const std::uint64_t token = m_rng();
+    const std::uint64_t token = detail::random_u64();
     if (token != 0 && !m_registry.id_in_use(held, token)) return token;
   }
 }

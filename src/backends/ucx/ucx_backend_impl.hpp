@@ -24,6 +24,7 @@
 
 #include "backends/ucx/ucp.hpp"
 #include "backends/ucx/ucx_backend.hpp"
+#include "common/admission.hpp"
 #include "common/backend_facade.hpp"
 #include "common/buffer_pool.hpp"
 #include "common/connection.hpp"
@@ -185,11 +186,22 @@ struct Connection : detail::ConnectionBase {
   // may dispatch its first event before add_fd returns in another thread).
   detail::Socket control;
   FdHandle control_fd;
-  detail::FrameDecoder decoder{MAX_CONTROL_FRAME, CONTROL_PROTOCOL};
+  // Until the connection is admitted, frames of at most detail::MAX_ADMISSION_FRAME.
+  detail::FrameDecoder decoder{detail::MAX_ADMISSION_FRAME, CONTROL_PROTOCOL};
   std::vector<std::uint8_t> control_out;    // the opening, while the socket would block
   std::optional<std::uint64_t> peer_total;  // the peer's CLOSE: messages it sent in all
   bool greeted{false};                      // the peer's HELLO arrived (control channel)
   bool peer_ready{false};                   // the peer's READY arrived (over UCX)
+  // Admission (docs/admission.md), loop thread only. `admitted`: the peer's HELLO may be
+  // read (no admission on this connection, or the exchange admitted it).
+  EndPointAddress listener_address;  // accepted: the listening endpoint it came in through
+  detail::AdmissionNonce own_nonce{};
+  std::optional<detail::AdmissionNonce> peer_nonce;
+  std::uint16_t peer_minor{0};  // the peer's control protocol version (3.x)
+  bool peer_keyed{false};
+  bool awaiting_verdict{false};  // client: the server's PROOF or REFUSAL decides
+  bool admitted{false};
+  bool hello_sent{false};
 
   // Under `mutex`.
   std::shared_ptr<Endpoint> ep;  // from the HELLO until the close releases it
@@ -254,7 +266,6 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
   Backend(const NetworkConfig& config, std::shared_ptr<BaseEventLoop> loop)
       : Engine{NAME, config, std::move(loop), config.thread_safety},
         m_transports{choose_transports(m_config.mode)},
-        m_rng{std::random_device{}()},
         m_events_mutex{m_thread.safe()} {
     const auto& shared_tx = m_config.shared_send_buffers;
     if (shared_tx.use_shared_send_buffers) {
@@ -335,7 +346,23 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
   void accept_one(const std::shared_ptr<Listener>& listener, detail::Socket socket,
                   const EndPointAddress& remote);
 
-  std::vector<std::uint8_t> opening(const Connection& conn) const;
+  // What this side sends first: the greeting, then its challenge (with a key) or its HELLO
+  // (unless admission holds it back).
+  std::vector<std::uint8_t> opening(Connection& conn) const;
+  [[nodiscard]] std::vector<std::uint8_t> hello_frame(Connection& conn) const;
+
+  // ---- admission (docs/admission.md) ------------------------------------------------
+  [[nodiscard]] bool keyed() const noexcept { return !m_key.empty(); }
+  bool on_control_greeting(const std::shared_ptr<Connection>& conn,
+                           const detail::Greeting& greeting);
+  bool on_admission_frame(const std::shared_ptr<Connection>& conn, std::uint8_t type,
+                          std::span<const std::uint8_t> body);
+  // The peer may now be read (its HELLO); false when the connection went meanwhile.
+  bool admit(const std::shared_ptr<Connection>& conn);
+  // Server: runs the accept hook, answers with its PROOF and HELLO, or refuses.
+  bool decide(const std::shared_ptr<Connection>& conn, std::string identity, bool key_proven);
+  // A REFUSAL to a client (then the socket lingers), NOT_ADMITTED for a client.
+  bool not_admitted(const std::shared_ptr<Connection>& conn, std::string_view reason);
 
   // Writes control bytes; what would block waits for EPOLLOUT. Loop thread.
   void write_control(const std::shared_ptr<Connection>& conn, std::span<const std::uint8_t> bytes);
@@ -568,6 +595,7 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
   std::unique_ptr<Worker> m_worker;  // set once, before anything that uses it is registered
   std::string m_devices_interface;   // the interface UCX was restricted to, if any
   WorkerAddressInfo m_own_address;   // of m_worker (set with it)
+  const detail::PartitionKey m_key{m_config.partition_key};
   std::unique_ptr<detail::BufferPool> m_shared_send_pool;
   MemoryMap m_shared_send_map;
   std::shared_ptr<RecvPool> m_global_recv;
@@ -576,8 +604,6 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
   std::optional<detail::SetupDeadlines<Connection>> m_close_deadlines;
   std::optional<detail::SetupDeadlines<Connection>> m_peer_close_deadlines;
   std::optional<detail::LingeringSockets> m_lingering;
-
-  std::mt19937_64 m_rng;  // under the registry's lock (new_token)
 
   detail::OptionalMutex m_events_mutex;
   std::vector<Event> m_events;
