@@ -7,6 +7,8 @@
 #include <fmt/format.h>
 #include <netio3/exceptions.hpp>
 
+#include "common/wire.hpp"
+
 namespace netio3::detail {
 namespace {
 
@@ -174,6 +176,127 @@ std::string decode_refusal(std::span<const std::uint8_t> body) {
     out.push_back(c >= 0x20 && c < 0x7f ? static_cast<char>(c) : '?');
   }
   return out;
+}
+
+std::string_view to_string(AdmissionFrame frame) noexcept {
+  switch (frame) {
+    case AdmissionFrame::CHALLENGE:
+      return "CHALLENGE";
+    case AdmissionFrame::PROOF:
+      return "PROOF";
+    case AdmissionFrame::REFUSAL:
+      return "REFUSAL";
+  }
+  return "?";
+}
+
+std::uint32_t AdmissionExchange::greeting_flags() const noexcept {
+  std::uint32_t flags = 0;
+  if (keyed()) flags |= GREETING_KEYED;
+  if (!m_client && (keyed() || m_hook)) flags |= GREETING_VERDICT;
+  return flags;
+}
+
+std::vector<std::uint8_t> AdmissionExchange::start() {
+  m_peer.reset();
+  m_peer_minor = 0;
+  m_peer_keyed = false;
+  m_awaiting_verdict = false;
+  m_admitted = false;
+  if (!keyed()) return {};
+  m_own = make_nonce();
+  return encode_challenge(m_own);
+}
+
+AdmissionStep AdmissionExchange::on_greeting(std::uint16_t minor, std::uint32_t flags) {
+  using Kind = AdmissionStep::Kind;
+  m_peer_minor = minor;
+  m_peer_keyed = (flags & GREETING_KEYED) != 0;
+  if (keyed() != m_peer_keyed) {
+    return {.kind = Kind::NOT_ADMITTED,
+            .text = keyed() ? "the peer holds no partition key, and this side requires one"
+                            : "the peer requires a partition key, and this side has none"};
+  }
+  if (m_client) {
+    if ((flags & GREETING_VERDICT) != 0) {
+      m_awaiting_verdict = true;  // the server's PROOF or REFUSAL decides
+      return {};
+    }
+    if (keyed()) {
+      return {.kind = Kind::NOT_ADMITTED, .text = "the server holds a key but gives no verdict"};
+    }
+    m_admitted = true;
+    return {.kind = Kind::ADMIT};
+  }
+  if (keyed()) return {};  // the client's CHALLENGE and PROOF come next
+  if (m_hook) return {.kind = Kind::DECIDE};
+  m_admitted = true;
+  return {.kind = Kind::ADMIT};
+}
+
+AdmissionStep AdmissionExchange::on_frame(AdmissionFrame frame,
+                                          std::span<const std::uint8_t> body) {
+  using Kind = AdmissionStep::Kind;
+  const auto error = [](std::string text) {
+    return AdmissionStep{.kind = Kind::PROTOCOL_ERROR, .text = std::move(text)};
+  };
+  if (m_admitted) return error(fmt::format("a {} frame after the set-up", to_string(frame)));
+  switch (frame) {
+    case AdmissionFrame::CHALLENGE: {
+      if (!m_peer_keyed || m_peer) return error("an unexpected CHALLENGE frame");
+      const auto nonce = decode_challenge(body);
+      if (!nonce) {
+        return error(fmt::format("a CHALLENGE frame of {} bytes ({} expected)", body.size(),
+                                 ADMISSION_NONCE_SIZE));
+      }
+      m_peer = *nonce;
+      if (!m_client) return {};
+      const auto proof =
+          m_key->prove(m_protocol, AdmissionRole::CLIENT, *m_peer, m_own, m_identity);
+      return {.kind = Kind::SEND_PROOF, .proof = encode_proof(proof, m_identity)};
+    }
+    case AdmissionFrame::PROOF: {
+      std::string problem;
+      auto decoded = decode_proof(body, problem);
+      if (!decoded) return error(problem);
+      if (keyed() && (!m_peer || !decoded->proof)) {
+        return error("a PROOF frame without a proof, or before a CHALLENGE");
+      }
+      if (m_client) {
+        if (!m_awaiting_verdict) return error("an unexpected PROOF frame");
+        if (keyed() && !m_key->verify(m_protocol, AdmissionRole::SERVER, m_own, *m_peer,
+                                      decoded->identity, *decoded->proof)) {
+          return {.kind = Kind::NOT_ADMITTED,
+                  .text = "the server failed to prove the partition key"};
+        }
+        m_admitted = true;
+        m_awaiting_verdict = false;
+        return {.kind = Kind::ADMIT};
+      }
+      if (!keyed()) return error("a PROOF frame to a server without a key");
+      if (!m_key->verify(m_protocol, AdmissionRole::CLIENT, m_own, *m_peer, decoded->identity,
+                         *decoded->proof)) {
+        return {.kind = Kind::NOT_ADMITTED,
+                .text =
+                    "the peer failed to prove the partition key (another key, or a replayed "
+                    "set-up)"};
+      }
+      return {.kind = Kind::DECIDE, .identity = std::move(decoded->identity)};
+    }
+    case AdmissionFrame::REFUSAL:
+      if (!m_client) return error("a REFUSAL frame from a client");
+      return {.kind = Kind::REFUSED,
+              .text = fmt::format("refused by the server: {}", decode_refusal(body))};
+  }
+  return error("an unknown admission frame");
+}
+
+std::optional<std::vector<std::uint8_t>> AdmissionExchange::verdict(std::uint16_t admission_minor) {
+  m_admitted = true;
+  if (!keyed() && m_peer_minor < admission_minor) return std::nullopt;
+  std::optional<AdmissionProof> proof;
+  if (keyed()) proof = m_key->prove(m_protocol, AdmissionRole::SERVER, *m_peer, m_own, m_identity);
+  return encode_proof(proof, m_identity);
 }
 
 AcceptDecision run_accept_hook(const OnAcceptCb& hook, const PeerInfo& peer,

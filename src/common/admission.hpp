@@ -94,6 +94,71 @@ struct DecodedProof {
 // The peer's reason as printable text (other bytes replaced), at most MAX_REFUSAL_REASON.
 [[nodiscard]] std::string decode_refusal(std::span<const std::uint8_t> body);
 
+// ---- the exchange, as both asyncmsg (1.3) and the UCX control channel (3.3) run it ---------
+//
+// One connection's admission state and what each arrival means; the backend does the
+// sending, closing and refusing (docs/admission.md).
+
+enum class AdmissionFrame : std::uint8_t { CHALLENGE, PROOF, REFUSAL };
+[[nodiscard]] std::string_view to_string(AdmissionFrame frame) noexcept;
+
+struct AdmissionStep {
+  enum class Kind {
+    WAIT,            // nothing to do yet (more frames must come)
+    ADMIT,           // the peer is admitted: its HELLO / data may be read
+    DECIDE,          // server: the peer proved the key (or needs no proof): run the hook
+    SEND_PROOF,      // client: send `proof` (then its HELLO) and wait for the verdict
+    NOT_ADMITTED,    // refuse with `text`
+    PROTOCOL_ERROR,  // close with `text`
+    REFUSED          // client: the server refused; `text` is its reason
+  };
+  Kind kind{Kind::WAIT};
+  std::string text{};
+  std::string identity{};             // DECIDE: what the peer presented
+  std::vector<std::uint8_t> proof{};  // SEND_PROOF: the PROOF frame's body
+};
+
+class AdmissionExchange {
+ public:
+  // `protocol` names the backend in the proofs ("asyncmsg", "ucx"); `client`: this side
+  // connected; `hook`: this side (a server) has an accept hook. `key` outlives the exchange.
+  AdmissionExchange(const PartitionKey& key, std::string_view protocol, bool client, bool hook,
+                    std::string_view identity) noexcept
+      : m_key{&key}, m_protocol{protocol}, m_identity{identity}, m_client{client}, m_hook{hook} {}
+
+  // Greeting flags this side sends; and the CHALLENGE body that follows them (a fresh nonce),
+  // when keyed(). Call again after a reconnection: the exchange starts over.
+  [[nodiscard]] std::uint32_t greeting_flags() const noexcept;
+  [[nodiscard]] std::vector<std::uint8_t> start();
+  [[nodiscard]] bool keyed() const noexcept { return !m_key->empty(); }
+  // The side sends its HELLO with its greeting: no admission holds it back.
+  [[nodiscard]] bool hello_with_greeting() const noexcept { return greeting_flags() == 0; }
+
+  [[nodiscard]] AdmissionStep on_greeting(std::uint16_t minor, std::uint32_t flags);
+  [[nodiscard]] AdmissionStep on_frame(AdmissionFrame frame, std::span<const std::uint8_t> body);
+  // Server, admitting: the PROOF frame's body to send, or none for a peer older than
+  // `admission_minor` that knows no such frame (possible only without a key).
+  [[nodiscard]] std::optional<std::vector<std::uint8_t>> verdict(std::uint16_t admission_minor);
+  // Server, refusing: whether the peer knows a REFUSAL frame.
+  [[nodiscard]] bool peer_takes_refusal(std::uint16_t admission_minor) const noexcept {
+    return m_peer_minor >= admission_minor;
+  }
+  [[nodiscard]] bool admitted() const noexcept { return m_admitted; }
+
+ private:
+  const PartitionKey* m_key;
+  std::string_view m_protocol;
+  std::string_view m_identity;
+  bool m_client;
+  bool m_hook;
+  AdmissionNonce m_own{};
+  std::optional<AdmissionNonce> m_peer;
+  std::uint16_t m_peer_minor{0};
+  bool m_peer_keyed{false};
+  bool m_awaiting_verdict{false};
+  bool m_admitted{false};
+};
+
 // Runs the accept hook: its decision, or a refusal when it throws. An empty reason of a
 // refusal becomes "refused by the application's accept hook".
 [[nodiscard]] AcceptDecision run_accept_hook(const OnAcceptCb& hook, const PeerInfo& peer,

@@ -361,9 +361,6 @@ bool Backend::reconnect_from_new_source_port(const std::shared_ptr<Connection>& 
   conn->decoder.reset();
   conn->epollout = false;
   conn->large_messages = false;
-  conn->peer_nonce.reset();
-  conn->peer_keyed = false;
-  conn->awaiting_verdict = false;
   const std::lock_guard lock{conn->mutex};
   conn->fd = m_loop->add_fd(conn->socket.native_handle(), EPOLLOUT, socket_callback(conn));
   return true;
@@ -381,22 +378,24 @@ void Backend::refuse_address_in_use(Connection& conn) {
 void Backend::send_greeting(const std::shared_ptr<Connection>& conn) {
   // Admission (1.3): a keyed side announces it and sends its challenge at once; a server
   // with a key or an accept hook tells the client to wait for its verdict.
-  std::uint32_t flags = 0;
-  if (keyed()) flags |= detail::GREETING_KEYED;
-  if (!conn->active() && (keyed() || m_config.on_accept_cb)) flags |= detail::GREETING_VERDICT;
+  if (!conn->admission) {
+    conn->admission.emplace(m_key, NAME, conn->active(), static_cast<bool>(m_config.on_accept_cb),
+                            m_config.identity);
+  }
+  const auto challenge = conn->admission->start();
   const auto greeting =
       encode_greeting(Greeting{.minor = VERSION_MINOR,
                                .max_message_size = static_cast<std::uint32_t>(m_max_message),
-                               .flags = flags});
+                               .flags = conn->admission->greeting_flags()});
   {
     const std::lock_guard lock{conn->mutex};
     conn->queue.append_copy(greeting);
-    if (keyed()) {
-      conn->own_nonce = detail::make_nonce();
+    if (!challenge.empty()) {
       std::array<std::uint8_t, FRAME_HEADER_SIZE> header{};
-      encode_frame_header(header.data(), detail::ADMISSION_NONCE_SIZE, detail::FRAME_CHALLENGE);
+      encode_frame_header(header.data(), static_cast<std::uint32_t>(challenge.size()),
+                          detail::FRAME_CHALLENGE);
       conn->queue.append_copy(header);
-      conn->queue.append_copy(conn->own_nonce);
+      conn->queue.append_copy(challenge);
     }
     conn->flush_pending = true;
   }
@@ -431,24 +430,31 @@ bool Backend::on_greeting(const std::shared_ptr<Connection>& conn, const Greetin
   // then noticed only through TCP: keepalive and TCP_USER_TIMEOUT, see configure_stream).
   conn->peer_sends_heartbeats = greeting.minor >= detail::ASYNCMSG_HEARTBEAT_MINOR;
   conn->peer_takes_heartbeats = conn->peer_sends_heartbeats;
-  conn->peer_minor = greeting.minor;
-  conn->peer_keyed = (greeting.flags & detail::GREETING_KEYED) != 0;
-  if (keyed() != conn->peer_keyed) {
-    return not_admitted(conn, keyed()
-                                  ? "the peer holds no partition key, and this side requires one"
-                                  : "the peer requires a partition key, and this side has none");
-  }
-  if (conn->active()) {
-    if ((greeting.flags & detail::GREETING_VERDICT) != 0) {
-      conn->awaiting_verdict = true;  // the server's PROOF or REFUSAL decides
+  return admission_step(conn, conn->admission->on_greeting(greeting.minor, greeting.flags));
+}
+
+bool Backend::admission_step(const std::shared_ptr<Connection>& conn, detail::AdmissionStep step) {
+  using Kind = detail::AdmissionStep::Kind;
+  switch (step.kind) {
+    case Kind::WAIT:
       return true;
-    }
-    if (keyed()) return not_admitted(conn, "the server holds a key but gives no verdict");
-    return admitted(conn);
+    case Kind::ADMIT:
+      return admitted(conn);
+    case Kind::DECIDE:
+      return decide(conn, std::move(step.identity), conn->admission->keyed());
+    case Kind::SEND_PROOF:
+      send_setup_frame(conn, detail::FRAME_PROOF, step.proof);
+      return !shut_down() && !conn->ending();
+    case Kind::NOT_ADMITTED:
+      return not_admitted(conn, step.text);
+    case Kind::PROTOCOL_ERROR:
+      return setup_protocol_error(conn, step.text);
+    case Kind::REFUSED:
+      NETIO3_WARN("asyncmsg: connection to {} not admitted: {}", conn->remote, step.text);
+      refuse(conn, RefusalCause::NOT_ADMITTED, step.text);
+      return false;
   }
-  if (keyed()) return true;  // the client's CHALLENGE and PROOF come next
-  if (m_config.on_accept_cb) return decide(conn, {}, false);
-  return admitted(conn);
+  return false;
 }
 
 bool Backend::admitted(const std::shared_ptr<Connection>& conn) {
@@ -462,7 +468,6 @@ bool Backend::admitted(const std::shared_ptr<Connection>& conn) {
     close(conn, reason, CloseCause::ERROR);
     return false;
   }
-  conn->awaiting_verdict = false;
   conn->decoder.set_max_message_size(m_max_message);
   return established(conn, capabilities(*conn));
 }
@@ -481,13 +486,8 @@ bool Backend::decide(const std::shared_ptr<Connection>& conn, std::string identi
   }
   // A client older than 1.3 (possible only without a key) took the greeting for the set-up
   // and would reject a PROOF frame: it gets none.
-  if (keyed() || conn->peer_minor >= detail::ASYNCMSG_ADMISSION_MINOR) {
-    std::optional<detail::AdmissionProof> proof;
-    if (keyed()) {
-      proof = m_key.prove(NAME, detail::AdmissionRole::SERVER, *conn->peer_nonce, conn->own_nonce,
-                          m_config.identity);
-    }
-    send_setup_frame(conn, detail::FRAME_PROOF, detail::encode_proof(proof, m_config.identity));
+  if (const auto proof = conn->admission->verdict(detail::ASYNCMSG_ADMISSION_MINOR)) {
+    send_setup_frame(conn, detail::FRAME_PROOF, *proof);
     if (shut_down() || conn->ending()) return false;
   }
   return admitted(conn);
@@ -502,7 +502,8 @@ bool Backend::not_admitted(const std::shared_ptr<Connection>& conn, std::string_
     // than 1.3 would reject the frame type: it is just closed.
     {
       const std::lock_guard lock{conn->mutex};
-      if (conn->queue.empty() && conn->peer_minor >= detail::ASYNCMSG_ADMISSION_MINOR) {
+      if (conn->queue.empty() &&
+          conn->admission->peer_takes_refusal(detail::ASYNCMSG_ADMISSION_MINOR)) {
         const auto body = detail::encode_refusal(reason);
         std::vector<std::uint8_t> frame(FRAME_HEADER_SIZE + body.size());
         encode_frame_header(frame.data(), static_cast<std::uint32_t>(body.size()),
@@ -527,73 +528,15 @@ bool Backend::setup_protocol_error(const std::shared_ptr<Connection>& conn, std:
   return false;
 }
 
-bool Backend::on_admission_frame(const std::shared_ptr<Connection>& conn, std::uint8_t type,
-                                 std::span<const std::uint8_t> body) {
-  const std::string_view name = type == detail::FRAME_CHALLENGE ? "CHALLENGE"
-                                : type == detail::FRAME_PROOF   ? "PROOF"
-                                                                : "REFUSAL";
-  if (!conn->setting_up()) {
-    return setup_protocol_error(conn, fmt::format("a {} frame after the set-up", name));
-  }
-  switch (type) {
-    case detail::FRAME_CHALLENGE: {
-      if (!conn->peer_keyed || conn->peer_nonce) {
-        return setup_protocol_error(conn, "an unexpected CHALLENGE frame");
-      }
-      const auto nonce = detail::decode_challenge(body);
-      if (!nonce) {
-        return setup_protocol_error(conn, fmt::format("a CHALLENGE frame of {} bytes ({} expected)",
-                                                      body.size(), detail::ADMISSION_NONCE_SIZE));
-      }
-      conn->peer_nonce = *nonce;
-      if (conn->active()) {
-        const auto proof = m_key.prove(NAME, detail::AdmissionRole::CLIENT, *conn->peer_nonce,
-                                       conn->own_nonce, m_config.identity);
-        send_setup_frame(conn, detail::FRAME_PROOF, detail::encode_proof(proof, m_config.identity));
-        if (shut_down() || conn->ending()) return false;
-      }
-      return true;
-    }
-    case detail::FRAME_PROOF: {
-      std::string error;
-      auto decoded = detail::decode_proof(body, error);
-      if (!decoded) return setup_protocol_error(conn, error);
-      if (keyed() && (!conn->peer_nonce || !decoded->proof)) {
-        return setup_protocol_error(conn, "a PROOF frame without a proof, or before a CHALLENGE");
-      }
-      if (conn->active()) {
-        if (!conn->awaiting_verdict) return setup_protocol_error(conn, "an unexpected PROOF frame");
-        if (keyed() && !m_key.verify(NAME, detail::AdmissionRole::SERVER, conn->own_nonce,
-                                     *conn->peer_nonce, decoded->identity, *decoded->proof)) {
-          return not_admitted(conn, "the server failed to prove the partition key");
-        }
-        return admitted(conn);
-      }
-      if (!keyed()) return setup_protocol_error(conn, "a PROOF frame to a server without a key");
-      if (!m_key.verify(NAME, detail::AdmissionRole::CLIENT, conn->own_nonce, *conn->peer_nonce,
-                        decoded->identity, *decoded->proof)) {
-        return not_admitted(conn,
-                            "the peer failed to prove the partition key (another key, or a "
-                            "replayed set-up)");
-      }
-      return decide(conn, std::move(decoded->identity), true);
-    }
-    default: {  // REFUSAL
-      if (!conn->active()) return setup_protocol_error(conn, "a REFUSAL frame from a client");
-      const auto reason = fmt::format("refused by the server: {}", detail::decode_refusal(body));
-      NETIO3_WARN("asyncmsg: connection to {} not admitted: {}", conn->remote, reason);
-      refuse(conn, RefusalCause::NOT_ADMITTED, reason);
-      return false;
-    }
-  }
-}
-
 bool Backend::on_message(const std::shared_ptr<Connection>& conn,
                          std::span<const std::uint8_t> message) {
   const std::uint8_t type = conn->decoder.frame_type();
   if (type >= detail::FRAME_CHALLENGE) [[unlikely]] {
     if (shut_down() || conn->ending() || conn->close_requested.load()) return false;
-    return on_admission_frame(conn, type, message);
+    const auto frame = type == detail::FRAME_CHALLENGE ? detail::AdmissionFrame::CHALLENGE
+                       : type == detail::FRAME_PROOF   ? detail::AdmissionFrame::PROOF
+                                                       : detail::AdmissionFrame::REFUSAL;
+    return admission_step(conn, conn->admission->on_frame(frame, message));
   }
   if (conn->setting_up() && !conn->ending() && !shut_down() &&
       !conn->close_requested.load(std::memory_order_relaxed)) [[unlikely]] {

@@ -120,12 +120,8 @@ struct Connection : detail::ConnectionBase {
   // Admission (docs/admission.md), loop thread only. Until the connection is established its
   // decoder takes no frame larger than detail::MAX_ADMISSION_FRAME.
   EndPointAddress listener_address;  // accepted: the listening endpoint it came in through
-  detail::AdmissionNonce own_nonce{};
-  std::optional<detail::AdmissionNonce> peer_nonce;  // the peer's CHALLENGE
-  std::uint16_t peer_minor{0};                       // the peer's protocol version (1.x)
-  bool peer_keyed{false};                            // the peer's greeting said KEYED
-  bool awaiting_verdict{false};  // client: the server's PROOF or REFUSAL ends the set-up
-  bool linger_on_close{false};   // a REFUSAL was written: let it reach the peer
+  std::optional<detail::AdmissionExchange> admission;  // from the first greeting sent
+  bool linger_on_close{false};  // a REFUSAL was written: let it reach the peer
 
   // Under `mutex`.
   SendQueue queue;
@@ -297,12 +293,11 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
 
   // ---- admission (docs/admission.md) ------------------------------------------------
 
-  [[nodiscard]] bool keyed() const noexcept { return !m_key.empty(); }
   // A frame of the set-up queued behind the greeting and flushed.
   void send_setup_frame(const std::shared_ptr<Connection>& conn, std::uint8_t type,
                         std::span<const std::uint8_t> body);
-  bool on_admission_frame(const std::shared_ptr<Connection>& conn, std::uint8_t type,
-                          std::span<const std::uint8_t> body);
+  // Acts on a step of the connection's admission exchange; whether to go on decoding.
+  bool admission_step(const std::shared_ptr<Connection>& conn, detail::AdmissionStep step);
   // The peer is admitted (or needs no admission): the connection is established.
   bool admitted(const std::shared_ptr<Connection>& conn);
   // Server: runs the accept hook (if any) and answers with its PROOF, or refuses.

@@ -94,7 +94,6 @@ void Backend::accept_one(const std::shared_ptr<Listener>& listener, detail::Sock
 }
 
 std::vector<std::uint8_t> Backend::hello_frame(Connection& conn) const {
-  conn.hello_sent = true;
   return encode_hello_frame(
       Hello{.mode = m_config.mode == NetworkMode::RDMA ? std::uint8_t{1} : std::uint8_t{0},
             .max_message_size = m_config.limits.max_message_size,
@@ -103,18 +102,20 @@ std::vector<std::uint8_t> Backend::hello_frame(Connection& conn) const {
 }
 
 std::vector<std::uint8_t> Backend::opening(Connection& conn) const {
-  std::uint32_t flags = 0;
-  if (keyed()) flags |= detail::GREETING_KEYED;
-  if (!conn.active() && (keyed() || m_config.on_accept_cb)) flags |= detail::GREETING_VERDICT;
-  auto out = encode_control_greeting(m_config.limits.max_message_size, flags);
-  if (keyed()) {
-    conn.own_nonce = detail::make_nonce();
-    const auto frame = encode_control_frame(FRAME_CHALLENGE, conn.own_nonce);
+  if (!conn.admission) {
+    conn.admission.emplace(m_key, NAME, conn.active(), static_cast<bool>(m_config.on_accept_cb),
+                           m_config.identity);
+  }
+  const auto challenge = conn.admission->start();
+  auto out =
+      encode_control_greeting(m_config.limits.max_message_size, conn.admission->greeting_flags());
+  if (!challenge.empty()) {
+    const auto frame = encode_control_frame(FRAME_CHALLENGE, challenge);
     out.insert(out.end(), frame.begin(), frame.end());
   }
   // Without admission (or for a client without a key) the HELLO goes at once; otherwise it
   // follows this side's PROOF (a keyed client) or the server's verdict.
-  if (flags == 0) {
+  if (conn.admission->hello_with_greeting()) {
     const auto frame = hello_frame(conn);
     out.insert(out.end(), frame.begin(), frame.end());
   }
@@ -242,10 +243,6 @@ bool Backend::reconnect_from_new_source_port(const std::shared_ptr<Connection>& 
   }
   conn->control_out.clear();
   conn->decoder.reset();
-  conn->peer_nonce.reset();
-  conn->peer_keyed = false;
-  conn->awaiting_verdict = false;
-  conn->hello_sent = false;
   const std::lock_guard lock{conn->mutex};
   conn->control_fd.close();
   conn->control = std::move(started.socket);
@@ -263,9 +260,12 @@ bool Backend::on_control_frame(const std::shared_ptr<Connection>& conn,
                                std::span<const std::uint8_t> frame) {
   const std::uint8_t type = conn->decoder.frame_type();
   if (type == FRAME_CHALLENGE || type == FRAME_PROOF || type == FRAME_REFUSAL) [[unlikely]] {
-    return on_admission_frame(conn, type, frame);
+    const auto kind = type == FRAME_CHALLENGE ? detail::AdmissionFrame::CHALLENGE
+                      : type == FRAME_PROOF   ? detail::AdmissionFrame::PROOF
+                                              : detail::AdmissionFrame::REFUSAL;
+    return admission_step(conn, conn->admission->on_frame(kind, frame));
   }
-  if (!conn->admitted) [[unlikely]] {
+  if (!conn->admission->admitted()) [[unlikely]] {
     protocol_error_now(conn, fmt::format("a {} frame before the connection was admitted",
                                          type == FRAME_HELLO   ? "HELLO"
                                          : type == FRAME_CLOSE ? "CLOSE"
@@ -301,29 +301,41 @@ bool Backend::on_control_greeting(const std::shared_ptr<Connection>& conn,
   // channel, detail::configure_stream).
   conn->peer_sends_heartbeats = greeting.minor >= HEARTBEAT_MINOR;
   conn->peer_takes_heartbeats = conn->peer_sends_heartbeats;
-  conn->peer_minor = greeting.minor;
-  conn->peer_keyed = (greeting.flags & detail::GREETING_KEYED) != 0;
-  if (keyed() != conn->peer_keyed) {
-    return not_admitted(conn, keyed()
-                                  ? "the peer holds no partition key, and this side requires one"
-                                  : "the peer requires a partition key, and this side has none");
-  }
-  if (conn->active()) {
-    if ((greeting.flags & detail::GREETING_VERDICT) != 0) {
-      conn->awaiting_verdict = true;  // the server's PROOF (then its HELLO) or REFUSAL
-      return true;
+  return admission_step(conn, conn->admission->on_greeting(greeting.minor, greeting.flags));
+}
+
+bool Backend::admission_step(const std::shared_ptr<Connection>& conn, detail::AdmissionStep step) {
+  using Kind = detail::AdmissionStep::Kind;
+  switch (step.kind) {
+    case Kind::WAIT:
+      return control_active(*conn);
+    case Kind::ADMIT:
+      return admit(conn);
+    case Kind::DECIDE:
+      return decide(conn, std::move(step.identity), conn->admission->keyed());
+    case Kind::SEND_PROOF: {
+      // The client's proof, then its HELLO: the server reads the HELLO only once the proof
+      // admitted the client.
+      auto out = encode_control_frame(FRAME_PROOF, step.proof);
+      const auto hello = hello_frame(*conn);
+      out.insert(out.end(), hello.begin(), hello.end());
+      write_control(conn, out);
+      return control_active(*conn);
     }
-    if (keyed()) return not_admitted(conn, "the server holds a key but gives no verdict");
-    return admit(conn);
+    case Kind::NOT_ADMITTED:
+      return not_admitted(conn, step.text);
+    case Kind::PROTOCOL_ERROR:
+      protocol_error_now(conn, step.text);
+      return false;
+    case Kind::REFUSED:
+      NETIO3_WARN("ucx: connection to {} not admitted: {}", conn->remote, step.text);
+      refuse(conn, RefusalCause::NOT_ADMITTED, step.text);
+      return false;
   }
-  if (keyed()) return true;  // the client's CHALLENGE and PROOF come next
-  if (m_config.on_accept_cb) return decide(conn, {}, false);
-  return admit(conn);
+  return false;
 }
 
 bool Backend::admit(const std::shared_ptr<Connection>& conn) {
-  conn->admitted = true;
-  conn->awaiting_verdict = false;
   conn->decoder.set_max_message_size(MAX_CONTROL_FRAME);
   return control_active(*conn);
 }
@@ -340,16 +352,11 @@ bool Backend::decide(const std::shared_ptr<Connection>& conn, std::string identi
     if (!control_active(*conn) || conn->close_requested.load()) return false;
     if (!decision.admit) return not_admitted(conn, decision.reason);
   }
-  std::optional<detail::AdmissionProof> proof;
-  if (keyed()) {
-    proof = m_key.prove(NAME, detail::AdmissionRole::SERVER, *conn->peer_nonce, conn->own_nonce,
-                        m_config.identity);
-  }
   // The server's proof (none without a key: the verdict alone), then its HELLO. A client older
   // than 3.3 (possible only without a key) waits for the HELLO alone and would reject a PROOF.
   std::vector<std::uint8_t> out;
-  if (keyed() || conn->peer_minor >= ADMISSION_MINOR) {
-    out = encode_control_frame(FRAME_PROOF, detail::encode_proof(proof, m_config.identity));
+  if (const auto proof = conn->admission->verdict(ADMISSION_MINOR)) {
+    out = encode_control_frame(FRAME_PROOF, *proof);
   }
   const auto hello = hello_frame(*conn);
   out.insert(out.end(), hello.begin(), hello.end());
@@ -366,7 +373,7 @@ bool Backend::not_admitted(const std::shared_ptr<Connection>& conn, std::string_
     // after a partial write), so that the client reads the reason rather than a reset. A
     // client older than 3.3 would reject the frame type: it is just closed.
     if (conn->control.valid() && conn->control_out.empty()) {
-      if (conn->peer_minor >= ADMISSION_MINOR) {
+      if (conn->admission->peer_takes_refusal(ADMISSION_MINOR)) {
         (void)detail::send_now(conn->control.get(),
                                encode_control_frame(FRAME_REFUSAL, detail::encode_refusal(reason)));
       }
@@ -377,88 +384,6 @@ bool Backend::not_admitted(const std::shared_ptr<Connection>& conn, std::string_
   }
   refuse(conn, RefusalCause::NOT_ADMITTED, reason);
   return false;
-}
-
-bool Backend::on_admission_frame(const std::shared_ptr<Connection>& conn, std::uint8_t type,
-                                 std::span<const std::uint8_t> body) {
-  const std::string_view name = type == FRAME_CHALLENGE ? "CHALLENGE"
-                                : type == FRAME_PROOF   ? "PROOF"
-                                                        : "REFUSAL";
-  if (conn->admitted || conn->phase != Phase::HANDSHAKE) {
-    protocol_error_now(conn, fmt::format("a {} frame after the set-up", name));
-    return false;
-  }
-  switch (type) {
-    case FRAME_CHALLENGE: {
-      if (!conn->peer_keyed || conn->peer_nonce) {
-        protocol_error_now(conn, "an unexpected CHALLENGE frame");
-        return false;
-      }
-      const auto nonce = detail::decode_challenge(body);
-      if (!nonce) {
-        protocol_error_now(conn, fmt::format("a CHALLENGE frame of {} bytes ({} expected)",
-                                             body.size(), detail::ADMISSION_NONCE_SIZE));
-        return false;
-      }
-      conn->peer_nonce = *nonce;
-      if (conn->active()) {
-        // The client's proof, then its HELLO: the server reads the HELLO only once the proof
-        // admitted the client.
-        const auto proof = m_key.prove(NAME, detail::AdmissionRole::CLIENT, *conn->peer_nonce,
-                                       conn->own_nonce, m_config.identity);
-        auto out =
-            encode_control_frame(FRAME_PROOF, detail::encode_proof(proof, m_config.identity));
-        const auto hello = hello_frame(*conn);
-        out.insert(out.end(), hello.begin(), hello.end());
-        write_control(conn, out);
-      }
-      return control_active(*conn);
-    }
-    case FRAME_PROOF: {
-      std::string error;
-      auto decoded = detail::decode_proof(body, error);
-      if (!decoded) {
-        protocol_error_now(conn, error);
-        return false;
-      }
-      if (keyed() && (!conn->peer_nonce || !decoded->proof)) {
-        protocol_error_now(conn, "a PROOF frame without a proof, or before a CHALLENGE");
-        return false;
-      }
-      if (conn->active()) {
-        if (!conn->awaiting_verdict) {
-          protocol_error_now(conn, "an unexpected PROOF frame");
-          return false;
-        }
-        if (keyed() && !m_key.verify(NAME, detail::AdmissionRole::SERVER, conn->own_nonce,
-                                     *conn->peer_nonce, decoded->identity, *decoded->proof)) {
-          return not_admitted(conn, "the server failed to prove the partition key");
-        }
-        return admit(conn);
-      }
-      if (!keyed()) {
-        protocol_error_now(conn, "a PROOF frame to a server without a key");
-        return false;
-      }
-      if (!m_key.verify(NAME, detail::AdmissionRole::CLIENT, conn->own_nonce, *conn->peer_nonce,
-                        decoded->identity, *decoded->proof)) {
-        return not_admitted(conn,
-                            "the peer failed to prove the partition key (another key, or a "
-                            "replayed set-up)");
-      }
-      return decide(conn, std::move(decoded->identity), true);
-    }
-    default: {  // REFUSAL
-      if (!conn->active()) {
-        protocol_error_now(conn, "a REFUSAL frame from a client");
-        return false;
-      }
-      const auto reason = fmt::format("refused by the server: {}", detail::decode_refusal(body));
-      NETIO3_WARN("ucx: connection to {} not admitted: {}", conn->remote, reason);
-      refuse(conn, RefusalCause::NOT_ADMITTED, reason);
-      return false;
-    }
-  }
 }
 
 void Backend::send_heartbeat(const std::shared_ptr<Connection>& conn) {

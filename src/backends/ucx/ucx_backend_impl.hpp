@@ -192,16 +192,10 @@ struct Connection : detail::ConnectionBase {
   std::optional<std::uint64_t> peer_total;  // the peer's CLOSE: messages it sent in all
   bool greeted{false};                      // the peer's HELLO arrived (control channel)
   bool peer_ready{false};                   // the peer's READY arrived (over UCX)
-  // Admission (docs/admission.md), loop thread only. `admitted`: the peer's HELLO may be
-  // read (no admission on this connection, or the exchange admitted it).
+  // Admission (docs/admission.md), loop thread only: the peer's HELLO is read only once the
+  // exchange admitted it (at once where neither side has a key or a hook).
   EndPointAddress listener_address;  // accepted: the listening endpoint it came in through
-  detail::AdmissionNonce own_nonce{};
-  std::optional<detail::AdmissionNonce> peer_nonce;
-  std::uint16_t peer_minor{0};  // the peer's control protocol version (3.x)
-  bool peer_keyed{false};
-  bool awaiting_verdict{false};  // client: the server's PROOF or REFUSAL decides
-  bool admitted{false};
-  bool hello_sent{false};
+  std::optional<detail::AdmissionExchange> admission;  // from the opening
 
   // Under `mutex`.
   std::shared_ptr<Endpoint> ep;  // from the HELLO until the close releases it
@@ -352,12 +346,11 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
   [[nodiscard]] std::vector<std::uint8_t> hello_frame(Connection& conn) const;
 
   // ---- admission (docs/admission.md) ------------------------------------------------
-  [[nodiscard]] bool keyed() const noexcept { return !m_key.empty(); }
   bool on_control_greeting(const std::shared_ptr<Connection>& conn,
                            const detail::Greeting& greeting);
-  bool on_admission_frame(const std::shared_ptr<Connection>& conn, std::uint8_t type,
-                          std::span<const std::uint8_t> body);
-  // The peer may now be read (its HELLO); false when the connection went meanwhile.
+  // Acts on a step of the connection's admission exchange; whether to go on decoding.
+  bool admission_step(const std::shared_ptr<Connection>& conn, detail::AdmissionStep step);
+  // The peer's HELLO may now be read; false when the connection went meanwhile.
   bool admit(const std::shared_ptr<Connection>& conn);
   // Server: runs the accept hook, answers with its PROOF and HELLO, or refuses.
   bool decide(const std::shared_ptr<Connection>& conn, std::string identity, bool key_proven);
