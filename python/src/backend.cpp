@@ -509,8 +509,8 @@ on_connection_refused_cb(remote), on_connection_refused_reason_cb(remote, reason
 on_send_completed_cb(remote, key), on_ready_to_send_cb(remote). `receive` is
 Receive.BYTES (data is a bytes copy) or Receive.MEMORYVIEW (a read-only view valid during the
 callback only, released after it). partition_key and identity are admission's
-(docs/admission.md; asyncmsg): a key both sides prove, at least 16 bytes, and the name this side
-presents; a refused client gets RefusalCause.NOT_ADMITTED with the server's reason.)doc")
+(docs/admission.md; asyncmsg and ucx): a key both sides prove, at least 16 bytes, and the
+name this side presents; a refused client gets RefusalCause.NOT_ADMITTED with the server's reason.)doc")
       .def(py::init([](NetworkMode mode, ThreadSafetyModel thread_safety,
                        SharedReceiveBuffers shared_receive_buffers,
                        SharedSendBuffers shared_send_buffers, py::object on_data_cb,

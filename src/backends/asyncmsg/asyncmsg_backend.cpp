@@ -359,6 +359,7 @@ bool Backend::reconnect_from_new_source_port(const std::shared_ptr<Connection>& 
   drain_and_close(conn->socket);
   conn->socket = std::move(fresh);
   conn->decoder.reset();
+  conn->decoder.set_max_message_size(detail::MAX_ADMISSION_FRAME);
   conn->epollout = false;
   conn->large_messages = false;
   const std::lock_guard lock{conn->mutex};

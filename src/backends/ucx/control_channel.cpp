@@ -243,6 +243,7 @@ bool Backend::reconnect_from_new_source_port(const std::shared_ptr<Connection>& 
   }
   conn->control_out.clear();
   conn->decoder.reset();
+  conn->decoder.set_max_message_size(detail::MAX_ADMISSION_FRAME);
   const std::lock_guard lock{conn->mutex};
   conn->control_fd.close();
   conn->control = std::move(started.socket);
@@ -310,18 +311,19 @@ bool Backend::admission_step(const std::shared_ptr<Connection>& conn, detail::Ad
     case Kind::WAIT:
       return control_active(*conn);
     case Kind::ADMIT:
+      // A keyed client sends its HELLO (its worker address and token) only now, once the
+      // server proved the key: a listener without it learns neither.
+      if (conn->active() && !conn->admission->hello_with_greeting()) {
+        write_control(conn, hello_frame(*conn));
+        if (!control_active(*conn)) return false;
+      }
       return admit(conn);
     case Kind::DECIDE:
       return decide(conn, std::move(step.identity), conn->admission->keyed());
-    case Kind::SEND_PROOF: {
-      // The client's proof, then its HELLO: the server reads the HELLO only once the proof
-      // admitted the client.
-      auto out = encode_control_frame(FRAME_PROOF, step.proof);
-      const auto hello = hello_frame(*conn);
-      out.insert(out.end(), hello.begin(), hello.end());
-      write_control(conn, out);
+    case Kind::SEND_PROOF:
+      // The client's proof; its HELLO follows the server's (ADMIT above).
+      write_control(conn, encode_control_frame(FRAME_PROOF, step.proof));
       return control_active(*conn);
-    }
     case Kind::NOT_ADMITTED:
       return not_admitted(conn, step.text);
     case Kind::PROTOCOL_ERROR:

@@ -185,9 +185,9 @@ class MemoryMap {
 //   CLOSE: 0..7 the number of active messages the sender sent on this connection (its BYE
 //         included): the peer closes once it has delivered them.
 // 3.3 adds admission (docs/admission.md): the greeting flags KEYED and VERDICT and the frames
-// CHALLENGE, PROOF and REFUSAL, as asyncmsg 1.3 has them (types 5, 6, 7 here). A side with a
-// key holds its HELLO back until it sent its PROOF; a server with a key or an accept hook
-// sends its HELLO only once it admitted the client, and reads the client's only then.
+// CHALLENGE, PROOF and REFUSAL, as asyncmsg 1.3 has them (types 5, 6, 7 here). A keyed client
+// sends its HELLO only once the server's PROOF verified; a server with a key or an accept
+// hook sends its HELLO only once it admitted the client, and reads the client's only then.
 // Every active message has id AM_ID and a 24-byte UCX header: 0 type, 1 version (3), 2 prefix
 // length P (0..16, DATA only), 3..7 zero, 8..15 sequence number (per direction, from 0),
 // 16..23 the receiver's connection token; then P bytes, the start of the message. READY

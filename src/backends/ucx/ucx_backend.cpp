@@ -59,7 +59,11 @@ void Backend::start() {
   m_greeting_deadlines.emplace(
       *m_loop, NAME,
       std::min<std::chrono::milliseconds>(m_config.limits.connect_timeout, SERVER_GREETING_TIMEOUT),
-      [](const Connection& conn) { return conn.phase == Phase::HANDSHAKE && !conn.greeted; },
+      // The greeting itself: with admission the server's HELLO comes only after the exchange
+      // (and its accept hook), which connect_timeout bounds.
+      [](const Connection& conn) {
+        return conn.phase == Phase::HANDSHAKE && !conn.decoder.greeted();
+      },
       [weak](const std::shared_ptr<Connection>& conn, const std::string& reason) {
         if (auto self = weak.lock()) {
           const auto why = fmt::format(
