@@ -45,6 +45,10 @@ def test_exiting_with_endpoints_open_and_sends_pending_is_clean(backend):
     script = textwrap.dedent(f"""
         import asyncio, netio3
         async def main():
+            # Dev mode also reports any callback slower than 0.1 s, which a loaded CI machine
+            # produces now and then (seen once: a round of 0.101 s); this test is about a
+            # clean exit - no warning, leak or exception - not about latency.
+            asyncio.get_running_loop().slow_callback_duration = 10.0
             listener = await netio3.listen(("127.0.0.1", 0), backend={backend!r})
             client = await netio3.connect(listener.address, backend={backend!r})
             for _ in range(100):
