@@ -203,7 +203,9 @@ struct AcceptDecision {
   /// RefusalCause::NOT_ADMITTED) and logged here; at most 256 bytes of it travel.
   std::string reason;
 
+  /// The peer is admitted.
   [[nodiscard]] static AcceptDecision accept() { return {}; }
+  /// The peer is refused, and told `why`.
   [[nodiscard]] static AcceptDecision refuse(std::string why) {
     return {.admit = false, .reason = std::move(why)};
   }
