@@ -442,7 +442,7 @@ bool Backend::admission_step(const std::shared_ptr<Connection>& conn, detail::Ad
     case Kind::ADMIT:
       return admitted(conn);
     case Kind::DECIDE:
-      return decide(conn, std::move(step.identity), conn->admission->keyed());
+      return decide(conn, std::move(step.identity));
     case Kind::SEND_PROOF:
       send_setup_frame(conn, detail::FRAME_PROOF, step.proof);
       return !shut_down() && !conn->ending();
@@ -473,13 +473,12 @@ bool Backend::admitted(const std::shared_ptr<Connection>& conn) {
   return established(conn, capabilities(*conn));
 }
 
-bool Backend::decide(const std::shared_ptr<Connection>& conn, std::string identity,
-                     bool key_proven) {
+bool Backend::decide(const std::shared_ptr<Connection>& conn, std::string identity) {
   if (m_config.on_accept_cb) {
     const PeerInfo peer{.remote = conn->remote,
                         .listener = conn->listener_address,
                         .identity = std::move(identity),
-                        .key_proven = key_proven};
+                        .key_proven = conn->admission->keyed()};
     const AcceptDecision decision = detail::run_accept_hook(m_config.on_accept_cb, peer, NAME);
     // The hook may have closed the connection or destroyed the backend.
     if (shut_down() || conn->ending() || conn->close_requested.load()) return false;

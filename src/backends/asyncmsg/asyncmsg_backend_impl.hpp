@@ -121,7 +121,7 @@ struct Connection : detail::ConnectionBase {
   // decoder takes no frame larger than detail::MAX_ADMISSION_FRAME.
   EndPointAddress listener_address;  // accepted: the listening endpoint it came in through
   std::optional<detail::AdmissionExchange> admission;  // from the first greeting sent
-  bool linger_on_close{false};  // a REFUSAL was written: let it reach the peer
+  bool linger_on_close{false};  // refused as a server: let what was written reach the peer
 
   // Under `mutex`.
   SendQueue queue;
@@ -301,7 +301,7 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
   // The peer is admitted (or needs no admission): the connection is established.
   bool admitted(const std::shared_ptr<Connection>& conn);
   // Server: runs the accept hook (if any) and answers with its PROOF, or refuses.
-  bool decide(const std::shared_ptr<Connection>& conn, std::string identity, bool key_proven);
+  bool decide(const std::shared_ptr<Connection>& conn, std::string identity);
   // Ends the set-up: a REFUSAL with the reason to a client, NOT_ADMITTED for a client.
   bool not_admitted(const std::shared_ptr<Connection>& conn, std::string_view reason);
   bool setup_protocol_error(const std::shared_ptr<Connection>& conn, std::string_view what);

@@ -319,7 +319,7 @@ bool Backend::admission_step(const std::shared_ptr<Connection>& conn, detail::Ad
       }
       return admit(conn);
     case Kind::DECIDE:
-      return decide(conn, std::move(step.identity), conn->admission->keyed());
+      return decide(conn, std::move(step.identity));
     case Kind::SEND_PROOF:
       // The client's proof; its HELLO follows the server's (ADMIT above).
       write_control(conn, encode_control_frame(FRAME_PROOF, step.proof));
@@ -342,13 +342,12 @@ bool Backend::admit(const std::shared_ptr<Connection>& conn) {
   return control_active(*conn);
 }
 
-bool Backend::decide(const std::shared_ptr<Connection>& conn, std::string identity,
-                     bool key_proven) {
+bool Backend::decide(const std::shared_ptr<Connection>& conn, std::string identity) {
   if (m_config.on_accept_cb) {
     const PeerInfo peer{.remote = conn->remote,
                         .listener = conn->listener_address,
                         .identity = std::move(identity),
-                        .key_proven = key_proven};
+                        .key_proven = conn->admission->keyed()};
     const AcceptDecision decision = detail::run_accept_hook(m_config.on_accept_cb, peer, NAME);
     // The hook may have closed the connection or destroyed the backend.
     if (!control_active(*conn) || conn->close_requested.load()) return false;

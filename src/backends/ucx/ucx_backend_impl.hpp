@@ -353,7 +353,7 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
   // The peer's HELLO may now be read; false when the connection went meanwhile.
   bool admit(const std::shared_ptr<Connection>& conn);
   // Server: runs the accept hook, answers with its PROOF and HELLO, or refuses.
-  bool decide(const std::shared_ptr<Connection>& conn, std::string identity, bool key_proven);
+  bool decide(const std::shared_ptr<Connection>& conn, std::string identity);
   // A REFUSAL to a client (then the socket lingers), NOT_ADMITTED for a client.
   bool not_admitted(const std::shared_ptr<Connection>& conn, std::string_view reason);
 
