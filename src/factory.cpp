@@ -4,7 +4,6 @@
 #include <fmt/ranges.h>
 #include <netio3/network_backend.hpp>
 
-#include "common/admission.hpp"
 #include "common/endpoint_rules.hpp"
 #include "common/tcp.hpp"
 
@@ -43,13 +42,6 @@ std::unique_ptr<NetworkBackend> Netio3Backend::create(BackendType type, NetworkC
                                                       std::shared_ptr<BaseEventLoop> event_loop) {
   if (!event_loop) throw std::invalid_argument("Netio3Backend::create: event loop is null");
   detail::check_config(config);
-  if (type == BackendType::LIBFABRIC && detail::admission_configured(config)) {
-    // Fail closed: a backend that cannot check its peers must not run as if it did.
-    throw InvalidConfiguration(fmt::format(
-        "Netio3Backend::create: the {} backend does not support admission yet (partition_key, "
-        "on_accept_cb); asyncmsg and ucx do (docs/admission.md)",
-        type));
-  }
   // A process that runs out of descriptors can neither accept nor connect, and UCX's tcp
   // transport then closes its listener for good: every backend starts by using what the hard
   // limit allows (docs/semantics.md, "Descriptors").

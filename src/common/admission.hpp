@@ -25,6 +25,9 @@ namespace netio3::detail {
 
 inline constexpr std::size_t ADMISSION_NONCE_SIZE = 16;
 inline constexpr std::size_t ADMISSION_PROOF_SIZE = 32;
+// A proof's first 16 bytes (HMAC-SHA-256 truncated to 128 bits): what libfabric's connection
+// data carry, where a request has room for 56 bytes in all (verbs).
+inline constexpr std::size_t ADMISSION_SHORT_PROOF_SIZE = 16;
 inline constexpr std::size_t MAX_REFUSAL_REASON = 256;
 // The largest admission frame body (a PROOF with the longest identity); frames before a
 // connection is admitted are bounded by it, whatever the configured message size.
@@ -51,7 +54,8 @@ class PartitionKey {
                                      const AdmissionNonce& verifier_nonce,
                                      const AdmissionNonce& prover_nonce,
                                      std::string_view identity) const;
-  // Constant time in the proof's content.
+  // Constant time in the proof's content. `proof`: a whole proof, or its first
+  // ADMISSION_SHORT_PROOF_SIZE bytes (libfabric); any other size fails.
   [[nodiscard]] bool verify(std::string_view protocol, AdmissionRole prover,
                             const AdmissionNonce& verifier_nonce,
                             const AdmissionNonce& prover_nonce, std::string_view identity,

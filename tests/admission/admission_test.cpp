@@ -49,6 +49,8 @@ struct Wire {
 };
 constexpr Wire ASYNCMSG_WIRE{BackendType::ASYNCMSG, 1, 3, 4, 5, 1, "asyncmsg"};
 constexpr Wire UCX_WIRE{BackendType::UCX, 3, 5, 6, 7, 2, "ucx"};
+// libfabric carries admission in connection data, not frames (AdmissionLibfabric below).
+constexpr Wire LIBFABRIC_WIRE{BackendType::LIBFABRIC, 0, 0, 0, 0, 0, "libfabric"};
 
 std::string wire_name(const ::testing::TestParamInfo<Wire>& info) {
   return std::string{info.param.protocol};
@@ -66,6 +68,7 @@ class Admission : public ::testing::TestWithParam<Wire> {
  protected:
   [[nodiscard]] BackendType type() const { return GetParam().type; }
   [[nodiscard]] bool ucx() const { return type() == BackendType::UCX; }
+  [[nodiscard]] bool frames() const { return type() != BackendType::LIBFABRIC; }
 
   void SetUp() override {
     if (!netio3::Netio3Backend::is_available(type())) GTEST_SKIP() << "backend not built";
@@ -133,13 +136,26 @@ class Admission : public ::testing::TestWithParam<Wire> {
     return m_loop.loop();
   }
 
+  // One message from `backend` to the server: copied (asyncmsg, UCX), or written into a send
+  // buffer (libfabric sends from registered memory only), waiting for one within PROMPT.
+  [[nodiscard]] NetioStatus send_message(NetworkBackend& backend, const Bytes& m,
+                                         std::uint64_t key) const {
+    if (frames()) return backend.send_data_copy(m_listen, m, {}, key);
+    netio3::NetworkBuffer* buffer = nullptr;
+    if (!netio3::test::eventually([&] { return (buffer = backend.get_buffer(m_listen)) != nullptr; },
+                                  PROMPT)) {
+      return NetioStatus::NO_RESOURCES;
+    }
+    buffer->write(std::span{m});
+    return backend.send_buffer(m_listen, buffer);
+  }
+
   // Sends `n` checked messages from `client` and waits for the server to have them all.
   void exchange(Client& client, std::uint32_t stream, std::uint32_t n) {
     m_checker.expect_stream(stream);
     for (std::uint32_t seq = 0; seq < n; ++seq) {
       const Bytes m = make_message(stream, seq, PREFIX + 64 + seq);
-      ASSERT_EQ(client.backend->send_data_copy(m_listen, m, {}, message_key(stream, seq)),
-                NetioStatus::OK);
+      ASSERT_EQ(send_message(*client.backend, m, message_key(stream, seq)), NetioStatus::OK);
     }
     EXPECT_TRUE(m_checker.wait_received(stream, n, PROMPT));
   }
@@ -305,6 +321,7 @@ struct RawKeyedClient {
 };
 
 TEST_P(Admission, ARecordedSetUpReplayedOnANewConnectionIsRefusedAndDeliversNothing) {
+  if (!frames()) GTEST_SKIP() << "libfabric's connection data: AdmissionLibfabric";
   ASSERT_NO_FATAL_FAILURE(start_server({.key = std::string{KEY}}));
   const Wire wire = GetParam();
   RawKeyedClient recorded{wire};
@@ -342,6 +359,7 @@ TEST_P(Admission, ARecordedSetUpReplayedOnANewConnectionIsRefusedAndDeliversNoth
 }
 
 TEST_P(Admission, BeforeAdmissionOnlySmallSetUpFramesAreRead) {
+  if (!frames()) GTEST_SKIP() << "libfabric's connection data: AdmissionLibfabric";
   ASSERT_NO_FATAL_FAILURE(start_server({.key = std::string{KEY}}));
   const Wire wire = GetParam();
   m_checker.expect_stream(8);
@@ -381,7 +399,10 @@ TEST_P(Admission, BeforeAdmissionOnlySmallSetUpFramesAreRead) {
 // asyncmsg: a client of 1.2 knows no VERDICT and counts the greeting as the set-up. A server
 // with a hook only still serves it (no PROOF frame it would reject), or closes it.
 TEST_P(Admission, AHookOnlyServerServesAnOlderClientWithoutFramesItCannotParse) {
-  if (ucx()) GTEST_SKIP() << "asyncmsg's DATA frames; UCX's older clients go the same way";
+  if (type() != BackendType::ASYNCMSG) {
+    GTEST_SKIP() << "asyncmsg's DATA frames; UCX's older clients go the same way, libfabric's: "
+                    "AdmissionLibfabric";
+  }
   std::atomic<int> calls{0};
   ASSERT_NO_FATAL_FAILURE(start_server({.hook = [&](const PeerInfo&) {
     return ++calls == 1 ? AcceptDecision::accept() : AcceptDecision::refuse("not you");
@@ -414,6 +435,7 @@ TEST_P(Admission, AHookOnlyServerServesAnOlderClientWithoutFramesItCannotParse) 
 }
 
 TEST_P(Admission, AServerThatCannotProveTheKeyIsRefusedByTheClient) {
+  if (!frames()) GTEST_SKIP() << "libfabric's connection data: AdmissionLibfabric";
   const Wire wire = GetParam();
   netio3::test::RawListener rogue;
   auto client = make_client({.key = std::string{KEY}});
@@ -527,7 +549,7 @@ TEST_P(Admission, AThousandRefusedAttemptsLeaveTheStreamIntactAndResourcesAtBase
     ASSERT_TRUE(c.refused(m_listen)) << "attempt " << i;
     if (i % 10 != 0) continue;
     const Bytes m = make_message(10, seq, PREFIX + 32);
-    if (good->backend->send_data_copy(m_listen, m, {}, message_key(10, seq)) == NetioStatus::OK) {
+    if (send_message(*good->backend, m, message_key(10, seq)) == NetioStatus::OK) {
       ++seq;
     }
   }
@@ -560,8 +582,8 @@ TEST_P(Admission, AThousandRefusedAttemptsLeaveTheStreamIntactAndResourcesAtBase
   netio3::set_log_sink({});
 }
 
-INSTANTIATE_TEST_SUITE_P(Backends, Admission, ::testing::Values(ASYNCMSG_WIRE, UCX_WIRE),
-                         wire_name);
+INSTANTIATE_TEST_SUITE_P(Backends, Admission,
+                         ::testing::Values(ASYNCMSG_WIRE, UCX_WIRE, LIBFABRIC_WIRE), wire_name);
 
 #if __has_include(<ucp/api/ucp.h>)
 // A UCP worker of a stranger: it has the server's worker address (leaked out of band - here
@@ -730,14 +752,10 @@ TEST(AdmissionConfig, BadKeysAndIdentitiesAndBackendsWithoutAdmissionAreRefused)
   EXPECT_THROW((void)create(BackendType::ASYNCMSG, std::string{KEY}, std::string(256, 'x'), false),
                netio3::InvalidConfiguration);
   EXPECT_NO_THROW((void)create(BackendType::ASYNCMSG, std::string{KEY}, "ros-1", true));
-  if (netio3::Netio3Backend::is_available(BackendType::UCX)) {
-    EXPECT_NO_THROW((void)create(BackendType::UCX, std::string{KEY}, "ros-1", true));
-  }
-  if (netio3::Netio3Backend::is_available(BackendType::LIBFABRIC)) {
-    EXPECT_THROW((void)create(BackendType::LIBFABRIC, std::string{KEY}, "", false),
-                 netio3::InvalidConfiguration)
-        << "libfabric must not run as if it checked its peers";
-    EXPECT_THROW((void)create(BackendType::LIBFABRIC, "", "", true), netio3::InvalidConfiguration);
+  for (const auto type : {BackendType::UCX, BackendType::LIBFABRIC}) {
+    if (!netio3::Netio3Backend::is_available(type)) continue;
+    EXPECT_NO_THROW((void)create(type, std::string{KEY}, "ros-1", true));
+    EXPECT_THROW((void)create(type, "", "ros-1", false), netio3::InvalidConfiguration);
   }
 }
 
@@ -771,8 +789,19 @@ TEST(AdmissionProof, ChecksEverythingItCovers) {
     flipped[bit / 8] ^= static_cast<std::uint8_t>(1U << (bit % 8));
     EXPECT_FALSE(key.verify("asyncmsg", AdmissionRole::CLIENT, verifier, prover, "ros-1", flipped));
   }
+  // Its first 16 bytes (libfabric's connection data) verify; other lengths do not.
+  const auto full = key.prove("libfabric", AdmissionRole::CLIENT, verifier, prover, "ros-1");
+  EXPECT_TRUE(key.verify("libfabric", AdmissionRole::CLIENT, verifier, prover, "ros-1",
+                         std::span{full}.first(16)));
+  for (const std::size_t n : {0, 1, 15, 17, 31}) {
+    EXPECT_FALSE(key.verify("asyncmsg", AdmissionRole::CLIENT, verifier, prover, "ros-1",
+                            std::span{proof}.first(n)))
+        << n << " bytes of a proof";
+  }
+  auto short_flipped = proof;
+  short_flipped[15] ^= 0x80U;
   EXPECT_FALSE(key.verify("asyncmsg", AdmissionRole::CLIENT, verifier, prover, "ros-1",
-                          std::span{proof}.first(16)));
+                          std::span{short_flipped}.first(16)));
   EXPECT_FALSE(
       PartitionKey{}.verify("asyncmsg", AdmissionRole::CLIENT, verifier, prover, "ros-1", proof))
       << "no key proves nothing";

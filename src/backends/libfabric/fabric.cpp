@@ -170,6 +170,15 @@ std::optional<CmData> decode_cm_data(std::span<const std::uint8_t> bytes, std::s
       .heartbeat_token = bytes.size() >= CM_DATA_SIZE ? detail::load_le64(bytes.data() + 16) : 0};
 }
 
+std::optional<std::size_t> cm_data_room(fid_t endpoint) noexcept {
+  std::size_t size = 0;
+  std::size_t len = sizeof size;
+  if (fi_getopt(endpoint, FI_OPT_ENDPOINT, FI_OPT_CM_DATA_SIZE, &size, &len) != 0) {
+    return std::nullopt;
+  }
+  return size;
+}
+
 Domain::Domain(const fi_info& info) : m_info{fi_dupinfo(&info)} {
   if (!m_info) throw std::runtime_error("fi_dupinfo failed");
   fid_fabric* fabric = nullptr;

@@ -97,6 +97,17 @@ inline constexpr std::size_t CM_DATA_MIN_SIZE = 16;
 inline constexpr std::uint16_t CM_REFUSED_ADDRESS_IN_USE = 1;
 inline constexpr std::uint16_t CM_SENDS_HEARTBEATS = 2;
 inline constexpr std::uint16_t CM_TAG_DATA = 4;
+// Admission (docs/admission.md, backends/libfabric/admission.hpp): what follows the 24 bytes.
+// CM_KEYED: in a request, the client holds a partition key (its nonce and identity follow, or
+// with CM_PROOF its answer to a challenge); in the accept data, the server's short proof and
+// identity follow. CM_CHALLENGE, in reject data: a challenge (its id and the server's nonce)
+// follows; the client asks again with its proof. CM_NOT_ADMITTED, in reject data: the peer
+// was not admitted, the reason (text) follows. A netio3 peer from before admission ignores
+// these flags and the bytes behind the 24.
+inline constexpr std::uint16_t CM_KEYED = 8;
+inline constexpr std::uint16_t CM_PROOF = 16;
+inline constexpr std::uint16_t CM_CHALLENGE = 32;
+inline constexpr std::uint16_t CM_NOT_ADMITTED = 64;
 // The bit of remote CQ data that marks a tagged data message (CM_TAG_DATA), for CQ data of
 // `bytes` bytes (4 with verbs, 8 with tcp): the top one; a heartbeat's token never has it.
 [[nodiscard]] constexpr std::uint64_t cq_tag_bit(std::size_t bytes) noexcept {
@@ -111,6 +122,9 @@ struct CmData {
 // nullopt (and `error` set) for data that is not a netio3 peer's.
 [[nodiscard]] std::optional<CmData> decode_cm_data(std::span<const std::uint8_t> bytes,
                                                    std::string& error);
+// How many bytes of connection data the provider carries for an endpoint or a passive
+// endpoint (FI_OPT_CM_DATA_SIZE); none when it does not say.
+[[nodiscard]] std::optional<std::size_t> cm_data_room(fid_t endpoint) noexcept;
 
 // One fabric + domain with an event queue (connection management) and a completion queue
 // (all data transfers of every endpoint on it). Thread-safe as far as the provider's

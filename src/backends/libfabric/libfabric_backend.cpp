@@ -52,6 +52,11 @@ void Backend::shutdown() noexcept {
   // Connection requests still queued own an fi_info and a provider handle (leaked
   // otherwise), and their clients wait for an answer: each is refused now.
   for (const auto& domain : m_domains) refuse_queued_requests(*domain);
+  // Destroyed inside the accept hook: the request it was asked about is refused too.
+  if (m_deciding) {
+    refuse_request(m_deciding->listener.get(), m_deciding->handle);
+    m_deciding.reset();
+  }
   for (auto& listener : all.listeners) listener->pep.reset();
   if (m_closed_listeners) m_closed_listeners->release_all();
   for (auto& conn : all.connections) abandon(*conn);
@@ -92,6 +97,17 @@ EndPointAddress Backend::open_listen_endpoint(const EndPointAddress& address,
     listener->pep.reset(pep);
     fi_check("fi_pep_bind", fi_pep_bind(pep, &domain.eq()->fid, 0));
     fi_check("fi_listen", fi_listen(pep));
+    listener->cm_data_size = cm_data_room(&pep->fid).value_or(listener->cm_data_size);
+    // A keyed server's accept data carry its proof and identity (admission.hpp).
+    const std::size_t accept_size =
+        CM_DATA_SIZE + detail::ADMISSION_SHORT_PROOF_SIZE + 1 + m_config.identity.size();
+    if (!m_key.empty() && accept_size > listener->cm_data_size) {
+      throw std::runtime_error(fmt::format(
+          "the identity ({} bytes) does not fit provider '{}''s connection data ({} bytes; the "
+          "accept data of a keyed server take {} bytes and the identity)",
+          m_config.identity.size(), domain.provider(), listener->cm_data_size,
+          accept_size - m_config.identity.size()));
+    }
     std::array<std::uint8_t, 128> name{};
     std::size_t len = name.size();
     fi_check("fi_getname", fi_getname(&pep->fid, name.data(), &len));
@@ -129,6 +145,7 @@ void Backend::open_active_endpoint(const EndPointAddress& address,
   std::shared_ptr<Connection> conn;
   try {
     conn = make_connection(address, params, 0, domain, Phase::CONNECTING, global_recv(domain));
+    if (!m_key.empty()) conn->admission.emplace(Connection::ClientAdmission{detail::make_nonce()});
     // Held until the endpoint has bound to the port (fabric.hpp).
     const detail::Socket reservation = reserve_source_port(info.get());
     open_endpoint(*conn, info.get());
@@ -141,7 +158,15 @@ void Backend::open_active_endpoint(const EndPointAddress& address,
   m_registry.index(conn);
   m_registry.add_connection(held, conn);
   track_setup(conn);
-  const auto data = encode_cm_data(own_cm_data(*conn));
+  const auto data = connect_data(*conn);
+  if (const auto room = cm_data_room(&conn->ep->fid); room && data.size() > *room) {
+    refuse_later(conn, RefusalCause::SETUP_FAILED,
+                 fmt::format("the identity ({} bytes) does not fit provider '{}''s connection "
+                             "data ({} bytes; a keyed request takes {} bytes and the identity)",
+                             m_config.identity.size(), domain.provider(), *room,
+                             data.size() - m_config.identity.size()));
+    return;
+  }
   const int rc = fi_connect(conn->ep.get(), info->dest_addr, data.data(), data.size());
   if (rc != 0) {
     // Reported like a refusal, from the loop (never from inside this call).

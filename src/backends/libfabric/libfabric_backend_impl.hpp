@@ -16,6 +16,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "backends/libfabric/admission.hpp"
 #include "backends/libfabric/fabric.hpp"
 #include "backends/libfabric/libfabric_backend.hpp"
 #include "common/backend_facade.hpp"
@@ -106,6 +107,9 @@ struct Listener {
   Domain* const domain;
   std::shared_ptr<RecvBuffers> shared_recv;  // recv_params.use_shared_receive_buffers
   Fid<fid_pep> pep;
+  // The connection data the provider carries (FI_OPT_CM_DATA_SIZE; verbs' 56 when it does not
+  // say): bounds the reason of a refusal.
+  std::size_t cm_data_size{56};
   // Set by close_listen_endpoint. The pep stays open for a while after, rejecting what
   // arrives (common/closed_listeners.hpp).
   std::atomic<bool> closed{false};
@@ -119,6 +123,15 @@ struct Connection : detail::ConnectionBase {
 
   Domain* const domain;
   std::shared_ptr<RecvBuffers> recv;  // null: this endpoint cannot receive
+
+  // A keyed client's admission (admission.hpp): its nonce, and the server's challenge once the
+  // first request was answered with one. Set before the connection is registered, then
+  // loop thread only.
+  struct ClientAdmission {
+    detail::AdmissionNonce nonce{};
+    std::optional<Challenge> challenge{};
+  };
+  std::optional<ClientAdmission> admission;
 
   // Under `mutex`.
   std::size_t peer_recv_size{0};
@@ -258,6 +271,9 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
   [[nodiscard]] static CmData own_cm_data(const Connection& conn);
   // The peer's connection data: its receive size and what it does with heartbeats.
   static void take_peer_cm_data(Connection& conn, const CmData& peer);
+  // What a client sends with fi_connect: its CmData and, for a keyed client, its admission
+  // request (the first, or the answer to the server's challenge).
+  [[nodiscard]] std::vector<std::uint8_t> connect_data(const Connection& conn) const;
 
   // ---- connections -----------------------------------------------------------------
 
@@ -351,6 +367,37 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
   // or could not; the caller then closes `old`.
   bool reconnect_from_new_source_port(const std::shared_ptr<Connection>& old);
 
+  // A new endpoint takes `old`'s place under its address and connects with connect_data()
+  // (another source port, or a keyed client's second request); `old` goes without a callback.
+  // False when that failed (logged); the caller then closes `old`.
+  bool connect_again(const std::shared_ptr<Connection>& old);
+
+  // ---- admission (admission.hpp, docs/admission.md) -----------------------------------
+
+  // Server: whether the request may be accepted; otherwise it was answered (a challenge, or a
+  // refusal with the reason). `accept_tail` gets what the accept data carry behind the CmData.
+  bool admit_request(const std::shared_ptr<Listener>& listener, fid_t handle, const CmData& peer,
+                     std::span<const std::uint8_t> tail, const EndPointAddress& remote,
+                     std::vector<std::uint8_t>& accept_tail);
+  // Server: the accept hook's verdict on a request (true without a hook). It runs on the loop
+  // thread, no lock held; a backend destroyed inside it refuses the request (m_deciding).
+  bool decide(const std::shared_ptr<Listener>& listener, fid_t handle,
+              const EndPointAddress& remote, std::string identity, bool key_proven);
+  // Server: rejects a request with `flags` and `tail` (cut to what the provider carries).
+  static void reject_request(const Listener& listener, fid_t handle, std::uint16_t flags,
+                             std::span<const std::uint8_t> tail);
+  // Server: refuses a request as not admitted: logs `reason`, tells the client `for_client`.
+  static bool not_admitted(const Listener& listener, fid_t handle, const EndPointAddress& remote,
+                           std::string_view reason, std::string_view for_client);
+  // Client: the server's first answer was a challenge: ask again with the proof. False when
+  // `conn` was refused instead.
+  bool answer_challenge(const std::shared_ptr<Connection>& conn,
+                        const std::optional<Challenge>& challenge);
+  // Client: the accept data of a keyed connection prove the server's key; otherwise `conn` is
+  // refused (NOT_ADMITTED) and false returned.
+  bool server_proved(const std::shared_ptr<Connection>& conn, const CmData& peer,
+                     std::span<const std::uint8_t> tail);
+
   // Closes the endpoint of a CLOSED connection and keeps the connection until the provider
   // holds none of its operations (release_retired).
   void retire(const std::shared_ptr<Connection>& conn);
@@ -403,6 +450,16 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
 
   std::optional<detail::ClosedListeners<Listener>> m_closed_listeners;
   std::mutex m_pep_mutex;  // closing a closed listener's pep vs. rejecting with it
+
+  // Admission (loop thread): the key, the challenges a server waits answers for, and the
+  // request whose accept hook is running.
+  const detail::PartitionKey m_key{m_config.partition_key};
+  ChallengeTable m_challenges;
+  struct Deciding {
+    std::shared_ptr<Listener> listener;
+    fid_t handle;
+  };
+  std::optional<Deciding> m_deciding;
 
   std::atomic<bool> m_kick_pending{false};
   EventSignalHandle m_kick;

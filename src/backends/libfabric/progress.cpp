@@ -359,6 +359,20 @@ void Backend::take_peer_cm_data(Connection& conn, const CmData& peer) {
                       : 0;
 }
 
+std::vector<std::uint8_t> Backend::connect_data(const Connection& conn) const {
+  CmData own = own_cm_data(conn);
+  if (!conn.admission) return encode_cm(own, {});
+  const auto& admission = *conn.admission;
+  own.flags |= CM_KEYED;
+  if (!admission.challenge) {
+    return encode_cm(own, encode(KeyedRequest{admission.nonce, m_config.identity}));
+  }
+  own.flags |= CM_PROOF;
+  const auto proof = m_key.prove(ADMISSION_PROTOCOL, detail::AdmissionRole::CLIENT,
+                                 admission.challenge->nonce, admission.nonce, m_config.identity);
+  return encode_cm(own, encode(ProofRequest{admission.challenge->id, short_proof(proof)}));
+}
+
 void Backend::post_receive(Op& op, fid_ep* target) const {
   const ssize_t rc =
       fi_recv(target, op.buffer->data(), op.buffer->capacity(), op.recv->desc, 0, &op);
@@ -438,21 +452,30 @@ void Backend::on_eq_error(Domain& domain, const fi_eq_err_entry& err) {
     if (detail != nullptr && *detail != '\0') why = fmt::format("{}: {}", why, detail);
   }
   auto refusal = RefusalCause::SETUP_FAILED;
+  bool challenged = false;
+  std::optional<Challenge> challenge;
   if (err.err == FI_ECONNREFUSED) {
     // A netio3 listener that says no sends its connection data with the refusal; a closed
     // port (or a closed listener) sends none.
     std::string ignored;
-    const auto data =
-        err.err_data != nullptr && err.err_data_size >= CM_DATA_MIN_SIZE
-            ? decode_cm_data({static_cast<const std::uint8_t*>(err.err_data), err.err_data_size},
-                             ignored)
-            : std::nullopt;
+    const std::span<const std::uint8_t> reject_data =
+        err.err_data != nullptr
+            ? std::span{static_cast<const std::uint8_t*>(err.err_data), err.err_data_size}
+            : std::span<const std::uint8_t>{};
+    const auto data = reject_data.size() >= CM_DATA_MIN_SIZE ? decode_cm_data(reject_data, ignored)
+                                                             : std::nullopt;
     if (!data) {
       refusal = RefusalCause::UNREACHABLE;
       why += " (nothing listens there, or its listen endpoint was closed)";
     } else if ((data->flags & CM_REFUSED_ADDRESS_IN_USE) != 0) {
       refusal = RefusalCause::REJECTED;
       why = "refused by the peer: it has a connection from this source address and port already";
+    } else if ((data->flags & CM_NOT_ADMITTED) != 0) {
+      refusal = RefusalCause::NOT_ADMITTED;
+      why = fmt::format("refused by the server: {}", detail::decode_refusal(cm_tail(reject_data)));
+    } else if ((data->flags & CM_CHALLENGE) != 0) {
+      challenged = true;  // answered below, when the connection is known
+      challenge = decode_challenge(cm_tail(reject_data));
     } else {
       refusal = RefusalCause::REJECTED;
       why = "refused by the peer (its log says why)";
@@ -465,6 +488,10 @@ void Backend::on_eq_error(Domain& domain, const fi_eq_err_entry& err) {
   if (auto conn = m_registry.by_id(id_of(err.fid))) {
     if (err.err == FI_ECONNREFUSED && refused_address_in_use(err) &&
         conn->phase == Phase::CONNECTING && reconnect_from_new_source_port(conn)) {
+      return;
+    }
+    if (challenged) {
+      (void)answer_challenge(conn, challenge);
       return;
     }
     if (conn->setting_up() && refusal == RefusalCause::SETUP_FAILED) {
@@ -486,6 +513,13 @@ bool Backend::refused_address_in_use(const fi_eq_err_entry& err) {
 
 bool Backend::reconnect_from_new_source_port(const std::shared_ptr<Connection>& old) {
   if (!detail::retry_from_new_source_port(*old, NAME)) return false;
+  // A keyed client starts its admission over: the server took the challenge with the second
+  // request it refused.
+  if (old->admission) *old->admission = Connection::ClientAdmission{detail::make_nonce()};
+  return connect_again(old);
+}
+
+bool Backend::connect_again(const std::shared_ptr<Connection>& old) {
   const auto fail = [](const std::string& why) { return std::runtime_error(why); };
   std::shared_ptr<Connection> conn;
   Info info;
@@ -502,6 +536,7 @@ bool Backend::reconnect_from_new_source_port(const std::shared_ptr<Connection>& 
     return false;
   }
   conn->source_port_retries = old->source_port_retries;
+  conn->admission = old->admission;
   // Buffers the application took from the old endpoint's own pool stay valid: the new
   // endpoint takes the pool over, with its registration.
   if (conn->domain == old->domain) {
@@ -526,7 +561,7 @@ bool Backend::reconnect_from_new_source_port(const std::shared_ptr<Connection>& 
   }
   track_setup(conn);
   close(old, "superseded", CloseCause::ERROR, false);
-  const auto data = encode_cm_data(own_cm_data(*conn));
+  const auto data = connect_data(*conn);
   const int rc = fi_connect(conn->ep.get(), info->dest_addr, data.data(), data.size());
   if (rc != 0) {
     // Reported from the loop, after the event being handled.
@@ -565,8 +600,7 @@ void Backend::on_connection_request(Domain& domain, const fi_eq_cm_entry& entry,
   }
   const auto reject = [&](std::string_view why, std::uint16_t flags = 0) {
     NETIO3_WARN("libfabric: refusing a connection on {}: {}", listener->address, why);
-    const auto refusal = encode_cm_data(CmData{.recv_buf_size = 0, .flags = flags});
-    fi_reject(listener->pep.get(), info->handle, refusal.data(), refusal.size());
+    reject_request(*listener, info->handle, flags, {});
   };
   std::string error;
   const auto peer = decode_cm_data(data, error);
@@ -577,6 +611,12 @@ void Backend::on_connection_request(Domain& domain, const fi_eq_cm_entry& entry,
   const auto remote = detail::to_endpoint_address(info->dest_addr, info->dest_addrlen);
   if (!remote) {
     reject("the request carries no IP address");
+    return;
+  }
+  // Admission, before the connection exists: no endpoint, no buffer for a refused peer.
+  std::vector<std::uint8_t> accept_tail;
+  const bool gated = !m_key.empty() || m_config.on_accept_cb || (peer->flags & CM_KEYED) != 0;
+  if (gated && !admit_request(listener, info->handle, *peer, cm_tail(data), *remote, accept_tail)) {
     return;
   }
   std::shared_ptr<Connection> conn;
@@ -608,7 +648,9 @@ void Backend::on_connection_request(Domain& domain, const fi_eq_cm_entry& entry,
     m_registry.add_connection(held, conn);
   }
   track_setup(conn);
-  const auto reply = encode_cm_data(own_cm_data(*conn));
+  CmData own = own_cm_data(*conn);
+  if (!m_key.empty()) own.flags |= CM_KEYED;  // the server's proof follows
+  const auto reply = encode_cm(own, accept_tail);
   const int rc = fi_accept(conn->ep.get(), reply.data(), reply.size());
   if (rc != 0) {
     close(conn, fmt::format("fi_accept failed: {}", fi_error(rc)), CloseCause::ERROR);
@@ -627,9 +669,149 @@ void Backend::on_connected(const std::shared_ptr<Connection>& conn,
       close(conn, error, CloseCause::ERROR);
       return;
     }
+    if (conn->admission && !server_proved(conn, *peer, cm_tail(data))) return;
     take_peer_cm_data(*conn, *peer);
   }
   if (conn->setting_up()) (void)established(conn, capabilities(*conn));
+}
+
+// ---- admission ------------------------------------------------------------------------
+
+bool Backend::admit_request(const std::shared_ptr<Listener>& listener, fid_t handle,
+                            const CmData& peer, std::span<const std::uint8_t> tail,
+                            const EndPointAddress& remote, std::vector<std::uint8_t>& accept_tail) {
+  const auto refuse_it = [&](std::string_view reason, std::string_view for_client = {}) {
+    return not_admitted(*listener, handle, remote, reason,
+                        for_client.empty() ? reason : for_client);
+  };
+  const bool keyed_peer = (peer.flags & CM_KEYED) != 0;
+  if (m_key.empty()) {
+    if (keyed_peer) {
+      return refuse_it("the peer requires a partition key, and this side has none",
+                       "it holds no partition key, and the client requires one");
+    }
+    return decide(listener, handle, remote, {}, false);
+  }
+  if (!keyed_peer) {
+    return refuse_it("the peer holds no partition key, and this side requires one",
+                     "it requires a partition key, and the client has none");
+  }
+  const auto now = ChallengeTable::Clock::now();
+  if ((peer.flags & CM_PROOF) == 0) {
+    // The first request: a challenge goes back with the rejection.
+    auto request = decode_keyed_request(tail);
+    if (!request) {
+      return refuse_it(
+          fmt::format("a keyed request whose {} bytes of admission data are no nonce and identity",
+                      tail.size()));
+    }
+    const auto challenge =
+        m_challenges.issue(listener->id, std::move(*request), m_config.limits.connect_timeout, now);
+    if (!challenge) {
+      return refuse_it(fmt::format("{} set-ups wait for their second request already",
+                                   ChallengeTable::CAPACITY));
+    }
+    reject_request(*listener, handle, CM_CHALLENGE, encode(*challenge));
+    NETIO3_DEBUG("libfabric: sent a challenge to {} on {}", remote, listener->address);
+    return false;
+  }
+  const auto answer = decode_proof_request(tail);
+  if (!answer) {
+    return refuse_it(
+        fmt::format("an answer to a challenge of {} bytes (24 expected)", tail.size()));
+  }
+  const auto entry = m_challenges.take(answer->id, now);
+  if (!entry || entry->listener != listener->id) {
+    return refuse_it(
+        "the peer answered no pending challenge (a replayed set-up, or an answer later than "
+        "limits.connect_timeout)");
+  }
+  if (!m_key.verify(ADMISSION_PROTOCOL, detail::AdmissionRole::CLIENT, entry->server, entry->client,
+                    entry->identity, answer->proof)) {
+    return refuse_it(
+        "the peer failed to prove the partition key (another key, or a replayed set-up)");
+  }
+  if (!decide(listener, handle, remote, entry->identity, true)) return false;
+  const auto proof = m_key.prove(ADMISSION_PROTOCOL, detail::AdmissionRole::SERVER, entry->client,
+                                 entry->server, m_config.identity);
+  accept_tail = encode(ServerProof{short_proof(proof), m_config.identity});
+  return true;
+}
+
+bool Backend::decide(const std::shared_ptr<Listener>& listener, fid_t handle,
+                     const EndPointAddress& remote, std::string identity, bool key_proven) {
+  if (!m_config.on_accept_cb) return true;
+  const PeerInfo peer{.remote = remote,
+                      .listener = listener->address,
+                      .identity = std::move(identity),
+                      .key_proven = key_proven};
+  m_deciding = Deciding{listener, handle};
+  const AcceptDecision decision = detail::run_accept_hook(m_config.on_accept_cb, peer, NAME);
+  if (shut_down()) return false;  // the shutdown refused the request
+  m_deciding.reset();
+  if (!decision.admit)
+    return not_admitted(*listener, handle, remote, decision.reason, decision.reason);
+  return true;
+}
+
+void Backend::reject_request(const Listener& listener, fid_t handle, std::uint16_t flags,
+                             std::span<const std::uint8_t> tail) {
+  const std::size_t room =
+      listener.cm_data_size > CM_DATA_SIZE ? listener.cm_data_size - CM_DATA_SIZE : 0;
+  const auto data = encode_cm(CmData{.recv_buf_size = 0, .flags = flags},
+                              tail.first(std::min(room, tail.size())));
+  fi_reject(listener.pep.get(), handle, data.data(), data.size());
+}
+
+bool Backend::not_admitted(const Listener& listener, fid_t handle, const EndPointAddress& remote,
+                           std::string_view reason, std::string_view for_client) {
+  NETIO3_WARN("libfabric: refusing connection from {} on {}: {}", remote, listener.address, reason);
+  const auto text = detail::encode_refusal(for_client);
+  reject_request(listener, handle, CM_NOT_ADMITTED, text);
+  return false;
+}
+
+bool Backend::answer_challenge(const std::shared_ptr<Connection>& conn,
+                               const std::optional<Challenge>& challenge) {
+  std::string_view problem;
+  if (!conn->admission) {
+    problem = "the server sent a challenge to a client without a partition key";
+  } else if (conn->admission->challenge) {
+    problem = "the server answered the proof with another challenge";
+  } else if (!challenge) {
+    problem = "the server's challenge is malformed";
+  } else if (conn->phase != Phase::CONNECTING) {
+    problem = "a challenge after the set-up";
+  }
+  if (problem.empty()) {
+    conn->admission->challenge = challenge;
+    if (connect_again(conn)) return true;
+    problem = "the second request could not be sent (see the log)";
+  }
+  NETIO3_WARN("libfabric: connection to {} not admitted: {}", conn->remote, problem);
+  refuse(conn, RefusalCause::NOT_ADMITTED, problem);
+  return false;
+}
+
+bool Backend::server_proved(const std::shared_ptr<Connection>& conn, const CmData& peer,
+                            std::span<const std::uint8_t> tail) {
+  const auto& admission = *conn->admission;
+  std::string_view problem;
+  if ((peer.flags & CM_KEYED) == 0) {
+    problem = "the server holds no partition key (it accepted without a proof)";
+  } else if (!admission.challenge) {
+    problem = "the server accepted without a challenge";
+  } else {
+    const auto proof = decode_server_proof(tail);
+    if (!proof || !m_key.verify(ADMISSION_PROTOCOL, detail::AdmissionRole::SERVER, admission.nonce,
+                                admission.challenge->nonce, proof->identity, proof->proof)) {
+      problem = "the server failed to prove the partition key";
+    }
+  }
+  if (problem.empty()) return true;
+  NETIO3_WARN("libfabric: connection to {} not admitted: {}", conn->remote, problem);
+  refuse(conn, RefusalCause::NOT_ADMITTED, problem);
+  return false;
 }
 
 void Backend::close_transport(const std::shared_ptr<Connection>& conn) {
