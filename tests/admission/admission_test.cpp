@@ -5,7 +5,7 @@
 
 #include "common/admission.hpp"
 
-#if __has_include(<ucp/api/ucp.h>)
+#ifdef NETIO3_TEST_WITH_UCX
 #include <ucp/api/ucp.h>
 #endif
 
@@ -142,8 +142,8 @@ class Admission : public ::testing::TestWithParam<Wire> {
                                          std::uint64_t key) const {
     if (frames()) return backend.send_data_copy(m_listen, m, {}, key);
     netio3::NetworkBuffer* buffer = nullptr;
-    if (!netio3::test::eventually([&] { return (buffer = backend.get_buffer(m_listen)) != nullptr; },
-                                  PROMPT)) {
+    if (!netio3::test::eventually(
+            [&] { return (buffer = backend.get_buffer(m_listen)) != nullptr; }, PROMPT)) {
       return NetioStatus::NO_RESOURCES;
     }
     buffer->write(std::span{m});
@@ -274,6 +274,22 @@ TEST_P(Admission, AHookWithoutAKeyDecidesByAddressAndAThrowingHookRefuses) {
   expect_not_admitted(connect(*third), "the accept hook failed: the run-control database is down");
   exchange(*first, 3, 20);
   EXPECT_EQ(server_count(Recorder::Kind::ESTABLISHED), 1U);
+}
+
+// The application destroys the server from inside its hook: the peer is refused (it is told,
+// it does not wait for its deadline), and nothing else of that server runs.
+TEST_P(Admission, AServerDestroyedInsideItsHookRefusesThePeer) {
+  std::atomic<int> calls{0};
+  ASSERT_NO_FATAL_FAILURE(start_server({.hook = [&](const PeerInfo&) {
+    ++calls;
+    m_server.reset();
+    return AcceptDecision::accept();
+  }}));
+  auto client = make_client({});
+  const auto event = connect(*client);
+  EXPECT_EQ(event.kind, Recorder::Kind::REFUSED) << m_logs.dump();
+  EXPECT_EQ(calls.load(), 1);
+  EXPECT_EQ(server_count(Recorder::Kind::ESTABLISHED), 0U);
 }
 
 // Reads exactly `n` bytes from a raw socket within PROMPT; empty on timeout or close.
@@ -585,7 +601,7 @@ TEST_P(Admission, AThousandRefusedAttemptsLeaveTheStreamIntactAndResourcesAtBase
 INSTANTIATE_TEST_SUITE_P(Backends, Admission,
                          ::testing::Values(ASYNCMSG_WIRE, UCX_WIRE, LIBFABRIC_WIRE), wire_name);
 
-#if __has_include(<ucp/api/ucp.h>)
+#ifdef NETIO3_TEST_WITH_UCX
 // A UCP worker of a stranger: it has the server's worker address (leaked out of band - here
 // from a set-up of its own, with the key) and its own connection's token, and sends netio3
 // DATA messages straight to the server's worker over an endpoint of its own, addressed to

@@ -111,11 +111,17 @@ ShortProof short_proof(const detail::AdmissionProof& proof) noexcept {
   return out;
 }
 
-std::optional<Challenge> ChallengeTable::issue(std::uint64_t listener, KeyedRequest request,
-                                               Clock::duration ttl, Clock::time_point now) {
-  if (m_pending.size() >= CAPACITY) {
-    std::erase_if(m_pending, [now](const auto& entry) { return entry.second.expires <= now; });
-    if (m_pending.size() >= CAPACITY) return std::nullopt;
+Challenge ChallengeTable::issue(std::uint64_t listener, KeyedRequest request, Clock::duration ttl,
+                                Clock::time_point now) {
+  // The oldest pending challenge gives way (ids in m_order that were taken are skipped).
+  while (m_pending.size() >= CAPACITY && !m_order.empty()) {
+    m_pending.erase(m_order.front());
+    m_order.pop_front();
+  }
+  // Ids taken by answers stay in m_order until they reach its front: at twice CAPACITY, only
+  // the pending ones are kept.
+  if (m_order.size() >= 2 * CAPACITY) {
+    std::erase_if(m_order, [this](std::uint64_t id) { return !m_pending.contains(id); });
   }
   Challenge challenge{.id = detail::random_u64(), .nonce = detail::make_nonce()};
   while (m_pending.contains(challenge.id)) challenge.id = detail::random_u64();
@@ -124,6 +130,7 @@ std::optional<Challenge> ChallengeTable::issue(std::uint64_t listener, KeyedRequ
                                         .server = challenge.nonce,
                                         .identity = std::move(request.identity),
                                         .expires = now + ttl});
+  m_order.push_back(challenge.id);
   return challenge;
 }
 

@@ -21,6 +21,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <deque>
 #include <optional>
 #include <span>
 #include <string>
@@ -71,8 +72,10 @@ struct ServerProof {
 
 [[nodiscard]] ShortProof short_proof(const detail::AdmissionProof& proof) noexcept;
 
-// A server's challenges that wait for the client's second request (loop thread). Bounded:
-// a flood of first requests finds the table full and is refused, it does not grow it.
+// A server's challenges that wait for the client's second request (loop thread). Bounded: at
+// CAPACITY the oldest pending challenge gives way to the new one, so a flood of first
+// requests neither grows the table nor locks clients out (a client answers within a round
+// trip; a flood must send CAPACITY requests within it to drop that client's challenge).
 class ChallengeTable {
  public:
   using Clock = std::chrono::steady_clock;
@@ -86,10 +89,9 @@ class ChallengeTable {
     Clock::time_point expires{};
   };
 
-  // A new challenge (a fresh id and nonce) for `request` through `listener`, valid for `ttl`;
-  // none while CAPACITY challenges are pending.
-  [[nodiscard]] std::optional<Challenge> issue(std::uint64_t listener, KeyedRequest request,
-                                               Clock::duration ttl, Clock::time_point now);
+  // A new challenge (a fresh id and nonce) for `request` through `listener`, valid for `ttl`.
+  [[nodiscard]] Challenge issue(std::uint64_t listener, KeyedRequest request, Clock::duration ttl,
+                                Clock::time_point now);
   // The pending challenge `id`, taken out (it is answered once); none when it is unknown, was
   // answered already or expired.
   [[nodiscard]] std::optional<Entry> take(std::uint64_t id, Clock::time_point now);
@@ -97,6 +99,7 @@ class ChallengeTable {
 
  private:
   std::unordered_map<std::uint64_t, Entry> m_pending;
+  std::deque<std::uint64_t> m_order;  // ids in the order issued (some taken already)
 };
 
 }  // namespace netio3::libfabric

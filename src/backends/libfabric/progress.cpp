@@ -707,11 +707,7 @@ bool Backend::admit_request(const std::shared_ptr<Listener>& listener, fid_t han
     }
     const auto challenge =
         m_challenges.issue(listener->id, std::move(*request), m_config.limits.connect_timeout, now);
-    if (!challenge) {
-      return refuse_it(fmt::format("{} set-ups wait for their second request already",
-                                   ChallengeTable::CAPACITY));
-    }
-    reject_request(*listener, handle, CM_CHALLENGE, encode(*challenge));
+    reject_request(*listener, handle, CM_CHALLENGE, encode(challenge));
     NETIO3_DEBUG("libfabric: sent a challenge to {} on {}", remote, listener->address);
     return false;
   }
