@@ -22,6 +22,7 @@ _os.environ.setdefault("HFI_NO_BACKTRACE", "1")
 
 from ._netio3 import (  # noqa: E402 (after the environment above)
     MAX_HEADER_SIZE,
+    AcceptDecision,
     ActiveEndpointAlreadyExists,
     BackendStatistics,
     BackendType,
@@ -50,6 +51,7 @@ from ._netio3 import (  # noqa: E402 (after the environment above)
     NetworkMode,
     NoBuffersAllocated,
     NotSupported,
+    PeerInfo,
     Receive,
     RecvParameters,
     RefusalCause,
@@ -79,6 +81,7 @@ from .aio import (
 
 __all__ = [
     "MAX_HEADER_SIZE",
+    "AcceptDecision",
     "ActiveEndpointAlreadyExists",
     "BackendStatistics",
     "BackendType",
@@ -112,6 +115,7 @@ __all__ = [
     "NetworkMode",
     "NoBuffersAllocated",
     "NotSupported",
+    "PeerInfo",
     "Receive",
     "RecvParameters",
     "RefusalCause",

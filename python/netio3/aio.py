@@ -260,6 +260,9 @@ class _Backend:
             on_ready_to_send_cb=on_ready,
             limits=options.limits,
             receive=options.receive,
+            partition_key=options.partition_key,
+            identity=options.identity,
+            on_accept_cb=options.accept,
         )
         self._finalizer: Optional[weakref.finalize] = None
 
@@ -361,8 +364,12 @@ class _Backend:
 
 
 class _Options:
-    def __init__(self, backend, mode, max_message_size, num_buffers, limits):
+    def __init__(self, backend, mode, max_message_size, num_buffers, limits,
+                 partition_key="", identity="", accept=None):
         self.backend = _backend_type(backend)
+        self.partition_key = partition_key
+        self.identity = identity
+        self.accept = accept
         self.mode = _network_mode(mode)
         if max_message_size <= 0 or num_buffers <= 0:
             raise _n.InvalidConfiguration("max_message_size and num_buffers must be > 0")
@@ -669,13 +676,25 @@ class Context:
     libfabric send) buffers per connection, four times as many shared by a listener's
     connections; limits: NetworkLimits. Messages arrive as bytes; a zero-copy view of
     received data is the callback layer's (NetworkConfig(receive=Receive.MEMORYVIEW)).
+
+    Admission (docs/admission.md): partition_key, a secret of at least 16 bytes that both
+    sides of every connection prove they hold; identity, the name this side presents with
+    its proof; accept(peer), a plain function (not a coroutine: it decides before the
+    connection exists) asked about every peer a listener of this context gets - a PeerInfo
+    (remote, listener, identity, key_proven); it returns True, False, AcceptDecision.accept()
+    or AcceptDecision.refuse("why"), and an exception refuses with its text. A refused
+    connect raises ConnectionRefused with cause NOT_ADMITTED and the server's reason.
     """
 
     def __init__(self, backend: Union[str, _n.BackendType] = "asyncmsg",
                  mode: Union[str, _n.NetworkMode] = "tcp", *,
                  max_message_size: int = 1 << 20, num_buffers: int = 16,
-                 limits: Optional[_n.NetworkLimits] = None):
-        self._options = _Options(backend, mode, max_message_size, num_buffers, limits)
+                 limits: Optional[_n.NetworkLimits] = None, partition_key: str = "",
+                 identity: str = "",
+                 accept: Optional[Callable[[_n.PeerInfo],
+                                           Union[bool, _n.AcceptDecision]]] = None):
+        self._options = _Options(backend, mode, max_message_size, num_buffers, limits,
+                                 partition_key, identity, accept)
         self._driver: Optional[_Driver] = None
         self._client: Optional[_Backend] = None
         self._client_started: Optional[asyncio.Future] = None

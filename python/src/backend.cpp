@@ -65,6 +65,41 @@ void deliver(State* s, const EndPointAddress* remote, std::span<const std::uint8
   });
 }
 
+// The Python accept hook's verdict. Its exception refuses the peer with the exception's text
+// as the reason (the server logs it); a KeyboardInterrupt or SystemExit is kept for the loop's
+// driver as well. Anything but an AcceptDecision or a bool refuses, saying so.
+AcceptDecision decide(State* s, const PeerInfo& peer) {
+  const py::gil_scoped_acquire gil;
+  if (!s->alive) return AcceptDecision::refuse("the backend is being closed");
+  const py::object hook = py::reinterpret_borrow<py::object>(s->accept.handle());
+  py::object info;
+  try {
+    info = py::cast(peer);
+  } catch (py::error_already_set& e) {
+    return AcceptDecision::refuse(std::string{"the accept hook failed: "} + e.what());
+  }
+  PyObject* result = PyObject_CallFunctionObjArgs(hook.ptr(), info.ptr(), nullptr);
+  if (result == nullptr) {
+    if (!PyErr_ExceptionMatches(PyExc_Exception)) {
+      report_callback_error("on_accept_cb");
+      return AcceptDecision::refuse("the accept hook was interrupted");
+    }
+    const py::error_already_set error;  // takes the exception
+    // "RuntimeError: what it said" (what() would add the traceback).
+    std::string text = py::str(error.type().attr("__name__"));
+    if (const std::string said = py::str(error.value()); !said.empty()) text += ": " + said;
+    return AcceptDecision::refuse("the accept hook failed: " + text);
+  }
+  const py::object decision = py::reinterpret_steal<py::object>(result);
+  if (py::isinstance<AcceptDecision>(decision)) return decision.cast<AcceptDecision>();
+  if (PyBool_Check(decision.ptr()) != 0) {
+    return decision.ptr() == Py_True ? AcceptDecision::accept() : AcceptDecision::refuse("");
+  }
+  return AcceptDecision::refuse(std::string{"the accept hook returned a "} +
+                                Py_TYPE(decision.ptr())->tp_name +
+                                ", neither an AcceptDecision nor a bool");
+}
+
 std::span<const std::uint8_t> span_of(const HeldBuffer& held) {
   return {held.data(), held.size()};
 }
@@ -134,6 +169,7 @@ Backend::Backend(BackendType type, PyConfig config, std::shared_ptr<Loop> loop)
   s->refused_reason = SharedRef{config.on_connection_refused_reason_cb};
   s->completed = SharedRef{config.on_send_completed_cb};
   s->ready = SharedRef{config.on_ready_to_send_cb};
+  s->accept = SharedRef{config.on_accept_cb};
 
   NetworkConfig c{.mode = config.mode,
                   .thread_safety = config.thread_safety,
@@ -205,6 +241,9 @@ Backend::Backend(BackendType type, PyConfig config, std::shared_ptr<Loop> loop)
         call_guarded("on_ready_to_send_cb", s->ready.handle(), address.ptr());
       });
     };
+  }
+  if (s->accept) {
+    c.on_accept_cb = [s](const PeerInfo& peer) { return decide(s, peer); };
   }
   // Creating a transport may take a while (UCX reads its configuration, libfabric asks its
   // providers): other Python threads run meanwhile.
@@ -509,8 +548,11 @@ on_connection_refused_cb(remote), on_connection_refused_reason_cb(remote, reason
 on_send_completed_cb(remote, key), on_ready_to_send_cb(remote). `receive` is
 Receive.BYTES (data is a bytes copy) or Receive.MEMORYVIEW (a read-only view valid during the
 callback only, released after it). partition_key and identity are admission's
-(docs/admission.md; asyncmsg and ucx): a key both sides prove, at least 16 bytes, and the
-name this side presents; a refused client gets RefusalCause.NOT_ADMITTED with the server's reason.)doc")
+(docs/admission.md): a key both sides prove, at least 16 bytes, and the name this side
+presents; on_accept_cb(peer) decides about each peer that comes in through a listening
+endpoint (a PeerInfo; return AcceptDecision.accept(), AcceptDecision.refuse("why"), or a
+bool; an exception refuses, with its text as the reason). A refused client gets
+RefusalCause.NOT_ADMITTED with the server's reason.)doc")
       .def(py::init([](NetworkMode mode, ThreadSafetyModel thread_safety,
                        SharedReceiveBuffers shared_receive_buffers,
                        SharedSendBuffers shared_send_buffers, py::object on_data_cb,
@@ -518,7 +560,8 @@ name this side presents; a refused client gets RefusalCause.NOT_ADMITTED with th
                        py::object on_connection_refused_cb, py::object on_send_completed_cb,
                        NetworkLimits limits, py::object on_ready_to_send_cb,
                        py::object on_data_from_cb, py::object on_connection_refused_reason_cb,
-                       Receive receive, std::string partition_key, std::string identity) {
+                       Receive receive, std::string partition_key, std::string identity,
+                       py::object on_accept_cb) {
              return PyConfig{mode,
                              thread_safety,
                              shared_receive_buffers,
@@ -534,7 +577,8 @@ name this side presents; a refused client gets RefusalCause.NOT_ADMITTED with th
                              std::move(on_connection_refused_reason_cb),
                              receive,
                              std::move(partition_key),
-                             std::move(identity)};
+                             std::move(identity),
+                             std::move(on_accept_cb)};
            }),
            py::kw_only(), py::arg("mode") = NetworkMode::TCP,
            py::arg("thread_safety") = ThreadSafetyModel::SAFE,
@@ -547,7 +591,7 @@ name this side presents; a refused client gets RefusalCause.NOT_ADMITTED with th
            py::arg("on_ready_to_send_cb") = py::none(), py::arg("on_data_from_cb") = py::none(),
            py::arg("on_connection_refused_reason_cb") = py::none(),
            py::arg("receive") = Receive::BYTES, py::arg("partition_key") = std::string{},
-           py::arg("identity") = std::string{})
+           py::arg("identity") = std::string{}, py::arg("on_accept_cb") = py::none())
       .def_readwrite("mode", &PyConfig::mode)
       .def_readwrite("thread_safety", &PyConfig::thread_safety)
       .def_readwrite("shared_receive_buffers", &PyConfig::shared_receive_buffers)
@@ -563,7 +607,8 @@ name this side presents; a refused client gets RefusalCause.NOT_ADMITTED with th
       .def_readwrite("on_connection_refused_reason_cb", &PyConfig::on_connection_refused_reason_cb)
       .def_readwrite("receive", &PyConfig::receive)
       .def_readwrite("partition_key", &PyConfig::partition_key)
-      .def_readwrite("identity", &PyConfig::identity);
+      .def_readwrite("identity", &PyConfig::identity)
+      .def_readwrite("on_accept_cb", &PyConfig::on_accept_cb);
 
   py::class_<PyNetworkBuffer>(m, "NetworkBuffer", R"doc(
 A send buffer lent by NetworkBackend.get_buffer: write into it, then send_buffer(). It is

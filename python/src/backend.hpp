@@ -51,6 +51,7 @@ struct PyConfig {
   // Admission (docs/admission.md): the partition key and the identity this side presents.
   std::string partition_key;
   std::string identity;
+  py::object on_accept_cb = py::none();  // on_accept_cb(PeerInfo) -> AcceptDecision | bool
 };
 
 // What the Python side keeps per connection (created when it is established, or at the
@@ -67,6 +68,7 @@ struct State {
   bool alive{true};  // false once the backend is being destroyed: no callback reaches Python
   Receive receive{Receive::BYTES};
   SharedRef on_data, on_data_from, established, closed, refused, refused_reason, completed, ready;
+  SharedRef accept;
   std::unordered_map<EndPointAddress, Connection> connections;
   // Zero-copy regions (send_zero_copy_params from a Python object): an active endpoint's
   // until its connection ends; a listen endpoint's until the backend goes (its connections

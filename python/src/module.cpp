@@ -65,6 +65,40 @@ void bind_types(py::module_& m) {
         return "RefusalReason(" + std::string{to_string(r.cause)} + ": " + r.message + ")";
       });
 
+  py::class_<PeerInfo>(m, "PeerInfo",
+                       "Who asks to be admitted through a listening endpoint (on_accept_cb).")
+      .def_property_readonly(
+          "remote", [](const PeerInfo& p) { return to_python(p.remote); },
+          "The peer's source address (an EndPointAddress).")
+      .def_property_readonly(
+          "listener", [](const PeerInfo& p) { return to_python(p.listener); },
+          "The listening endpoint it came in through.")
+      .def_property_readonly(
+          "identity",
+          [](const PeerInfo& p) {
+            // Any bytes: what cannot be decoded as UTF-8 is kept as surrogates (round-trips).
+            return py::reinterpret_steal<py::str>(PyUnicode_DecodeUTF8(
+                p.identity.data(), static_cast<Py_ssize_t>(p.identity.size()), "surrogateescape"));
+          },
+          "The identity the peer presented (proven with the key), or empty.")
+      .def_readonly("key_proven", &PeerInfo::key_proven,
+                    "Whether the peer proved it holds this side's partition_key.")
+      .def("__repr__", [](const PeerInfo& p) {
+        return "PeerInfo(remote=" + p.remote.address + ":" + std::to_string(p.remote.port) +
+               ", identity='" + p.identity + "', key_proven=" + (p.key_proven ? "True" : "False") +
+               ")";
+      });
+  py::class_<AcceptDecision>(m, "AcceptDecision", "What on_accept_cb decides for one peer.")
+      .def_static("accept", &AcceptDecision::accept, "Admit the peer.")
+      .def_static("refuse", &AcceptDecision::refuse, py::arg("reason") = std::string{},
+                  "Refuse the peer; the client reports the reason (NOT_ADMITTED).")
+      .def_readonly("admit", &AcceptDecision::admit)
+      .def_readonly("reason", &AcceptDecision::reason)
+      .def("__repr__", [](const AcceptDecision& d) {
+        return d.admit ? std::string{"AcceptDecision.accept()"}
+                       : "AcceptDecision.refuse('" + d.reason + "')";
+      });
+
   py::class_<ConnectionStatistics>(m, "ConnectionStatistics",
                                    "A snapshot of one connection's counters.")
       .def_property_readonly("remote",

@@ -113,3 +113,32 @@ async def test_a_peer_killed_mid_stream_fails_every_pending_send_once_with_its_k
     assert len(set(keys)) == len(keys) == len(pending)
     assert set(keys) <= set(client.cancelled_keys)
     assert client.closed
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_a_context_admits_the_holders_of_its_key_that_its_accept_function_takes(backend):
+    key = "partition-of-the-aio-test"
+    asked = []
+
+    def accept(peer):
+        asked.append(peer.identity)
+        return peer.key_proven and peer.identity.startswith("ros-")
+
+    async with netio3.Context(backend, partition_key=key, accept=accept) as server, \
+            netio3.Context(backend, partition_key=key, identity="ros-1") as good, \
+            netio3.Context(backend, partition_key=key, identity="laptop") as laptop, \
+            netio3.Context(backend, partition_key="another-partition-key") as stranger:
+        listener = await server.listen(("127.0.0.1", 0))
+        conn = await good.connect(listener.address)
+        await conn.send(b"admitted")
+        accepted = await listener.accept()
+        assert await accepted.recv() == b"admitted"
+        with pytest.raises(netio3.ConnectionRefused) as refused:
+            await laptop.connect(listener.address)
+        assert refused.value.cause == netio3.RefusalCause.NOT_ADMITTED
+        assert "accept hook" in str(refused.value)
+        with pytest.raises(netio3.ConnectionRefused) as refused:
+            await stranger.connect(listener.address)
+        assert refused.value.cause == netio3.RefusalCause.NOT_ADMITTED
+        assert "failed to prove the partition key" in str(refused.value)
+    assert asked == ["ros-1", "laptop"], "the function is asked only about holders of the key"

@@ -137,6 +137,59 @@ def test_a_partition_key_admits_its_holders_only(loop):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_the_accept_hook_decides_about_each_peer_with_its_proven_identity(loop, backend):
+    key = "partition-of-the-python-test"
+    asked = []
+
+    def hook(peer):
+        asked.append((peer.remote, peer.listener, peer.identity, peer.key_proven))
+        if peer.identity == "ros-1":
+            return netio3.AcceptDecision.accept()
+        if peer.identity == "ros-2":
+            return False
+        if peer.identity == "ros-3":
+            raise RuntimeError("the run-control database is down")
+        if peer.identity == "ros-4":
+            return "yes"  # neither an AcceptDecision nor a bool
+        return netio3.AcceptDecision.refuse(f"{peer.identity} is not in this partition")
+
+    rs = Recorder()
+    server = netio3.create(backend, rs.config(partition_key=key, on_accept_cb=hook), loop)
+    listening = server.open_listen_endpoint(("127.0.0.1", 0), netio3.ConnectionParameters(RECV))
+    params = netio3.ConnectionParameters(
+        send_buffered_params=netio3.SendBufferedParameters(4096, 4))
+    expected = {
+        "ros-1": None,
+        "ros-2": "accept hook",
+        "ros-3": "the accept hook failed: RuntimeError: the run-control database is down",
+        "ros-4": "the accept hook returned a str, neither an AcceptDecision nor a bool",
+        "ros-99": "ros-99 is not in this partition",
+    }
+    clients = []
+    for identity, refusal in expected.items():
+        r = Recorder()
+        client = netio3.create(backend, r.config(partition_key=key, identity=identity), loop)
+        clients.append(client)
+        client.open_active_endpoint(listening, params)
+        assert drive(loop, lambda: r.established or r.refused), identity
+        if refusal is None:
+            assert r.established and not r.refused, r.refused
+        else:
+            assert not r.established
+            _, reason = r.refused[0]
+            assert reason.cause == netio3.RefusalCause.NOT_ADMITTED
+            assert refusal in reason.message, reason.message
+    assert [identity for _, _, identity, _ in asked] == list(expected)
+    for remote, listener, _, proven in asked:
+        assert isinstance(remote, netio3.EndPointAddress) and remote.address == "127.0.0.1"
+        assert listener == listening
+        assert proven
+    assert drive(loop, lambda: len(rs.established) == 1)
+    for b in (*clients, server):
+        b.close()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_zero_copy_from_bytes_bytearray_memoryview_and_numpy(loop, backend):
     region = np.zeros(1 << 16, dtype=np.uint8)  # UCX and libfabric send from inside it only
     # asyncmsg without a region sends from anywhere (with one, only from inside it).
