@@ -83,10 +83,11 @@ void bind_types(py::module_& m) {
           "The identity the peer presented (proven with the key), or empty.")
       .def_readonly("key_proven", &PeerInfo::key_proven,
                     "Whether the peer proved it holds this side's partition_key.")
-      .def("__repr__", [](const PeerInfo& p) {
-        return "PeerInfo(remote=" + p.remote.address + ":" + std::to_string(p.remote.port) +
-               ", identity='" + p.identity + "', key_proven=" + (p.key_proven ? "True" : "False") +
-               ")";
+      .def("__repr__", [](const py::object& self) {
+        // Through the properties: the identity as its (surrogate-escaped) str's repr.
+        return py::str("PeerInfo(remote={!r}, listener={!r}, identity={!r}, key_proven={!r})")
+            .format(self.attr("remote"), self.attr("listener"), self.attr("identity"),
+                    self.attr("key_proven"));
       });
   py::class_<AcceptDecision>(m, "AcceptDecision", "What on_accept_cb decides for one peer.")
       .def_static("accept", &AcceptDecision::accept, "Admit the peer.")

@@ -143,6 +143,7 @@ def test_the_accept_hook_decides_about_each_peer_with_its_proven_identity(loop, 
 
     def hook(peer):
         asked.append((peer.remote, peer.listener, peer.identity, peer.key_proven))
+        assert f"identity={peer.identity!r}" in repr(peer)
         if peer.identity == "ros-1":
             return netio3.AcceptDecision.accept()
         if peer.identity == "ros-2":

@@ -369,6 +369,9 @@ class ConnectionEngine {
 
   // `conn` must be open within limits.connect_timeout, or it is closed with the reason.
   void track_setup(const std::shared_ptr<Conn>& conn) { m_setup->track(conn); }
+  void track_setup(const std::shared_ptr<Conn>& conn, std::chrono::steady_clock::time_point until) {
+    m_setup->track(conn, until);
+  }
 
   std::uint64_t next_id() noexcept { return m_next_id.fetch_add(1, std::memory_order_relaxed); }
 

@@ -49,9 +49,12 @@ class SetupDeadlines {
     });
   }
 
-  void track(const std::shared_ptr<Conn>& conn) {
+  void track(const std::shared_ptr<Conn>& conn) { track(conn, Clock::now() + m_state->timeout); }
+  // With a deadline of its own (a set-up that goes on in a new connection object keeps the
+  // first one's).
+  void track(const std::shared_ptr<Conn>& conn, Clock::time_point deadline) {
     const std::lock_guard lock{m_state->mutex};
-    m_state->entries.emplace_back(conn, Clock::now() + m_state->timeout);
+    m_state->entries.emplace_back(conn, deadline);
     if (!m_state->armed) {
       m_state->armed = true;
       m_state->timer.start(PERIOD);

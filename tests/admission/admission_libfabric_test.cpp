@@ -427,6 +427,37 @@ TEST_F(AdmissionLibfabric, AnOlderClientIsServedByAHookOnlyServerAndRefusedByAKe
   EXPECT_NE(text_after_cm(e.data).find("requires a partition key"), std::string::npos);
 }
 
+// The hook closes its listener and opens one on the same port (the closed one's passive
+// endpoint goes at once): the request of the old listener is refused either way, and the new
+// listener serves.
+TEST_F(AdmissionLibfabric, AListenerReopenedInsideTheHookTakesNoRequestOfTheOldOne) {
+  std::atomic<int> calls{0};
+  ASSERT_NO_FATAL_FAILURE(start_server({}, [&](const PeerInfo&) {
+    const int n = ++calls;
+    if (n <= 2) {
+      m_server->close_listen_endpoint(m_listen);
+      (void)m_server->open_listen_endpoint(m_listen, listen_params());
+    }
+    return n == 1 ? AcceptDecision::refuse("reopened") : AcceptDecision::accept();
+  }));
+  for (int i = 0; i < 3; ++i) {
+    Recorder rec;
+    auto config = rec.config(netio3::ThreadSafetyModel::SAFE, NetworkMode::TCP,
+                             Recorder::Callbacks::WITH_SENDER_AND_REASON);
+    config.limits = patient_limits();
+    auto client =
+        netio3::Netio3Backend::create(BackendType::LIBFABRIC, std::move(config), m_loop.loop());
+    client->open_active_endpoint(m_listen, client_params());
+    ASSERT_TRUE(rec.wait([](const Recorder& r) {
+      return r.count(Recorder::Kind::ESTABLISHED) + r.count(Recorder::Kind::REFUSED) > 0;
+    })) << m_logs.dump();
+    EXPECT_EQ(rec.count_now(Recorder::Kind::ESTABLISHED), i == 2 ? 1U : 0U) << "client " << i;
+  }
+  EXPECT_EQ(calls.load(), 3);
+  EXPECT_TRUE(m_server_rec.wait(
+      [](const Recorder& r) { return r.count(Recorder::Kind::ESTABLISHED) == 1; }));
+}
+
 // A raw server plays what a listener without the key could do; the netio3 client refuses
 // each, with the reason.
 TEST_F(AdmissionLibfabric, AServerThatCannotProveTheKeyIsRefusedByTheClient) {

@@ -15,9 +15,9 @@
 //
 // Proofs are the first 16 bytes of detail::PartitionKey's proofs for protocol "libfabric":
 // the client's over (server nonce, client nonce, client identity), the server's over (client
-// nonce, server nonce, server identity). The second request is 48 bytes, within the 56 of
-// verbs' rdma_cm; the first has room there for an identity of 14 bytes (the tcp provider
-// carries 256).
+// nonce, server nonce, server identity). The second request is 48 bytes, within the 55 that
+// libfabric's verbs provider carries (rdma_cm's 56 less its length byte); the first has room
+// there for an identity of 14 bytes (the tcp provider carries 256).
 
 #include <chrono>
 #include <cstdint>

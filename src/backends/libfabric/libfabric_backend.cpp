@@ -54,7 +54,10 @@ void Backend::shutdown() noexcept {
   for (const auto& domain : m_domains) refuse_queued_requests(*domain);
   // Destroyed inside the accept hook: the request it was asked about is refused too.
   if (m_deciding) {
-    refuse_request(m_deciding->listener.get(), m_deciding->handle);
+    refuse_request(*m_deciding->listener->domain, m_deciding->listener.get(), m_deciding->request);
+    // The request's listener is held by the call that runs the hook, until after the domains
+    // went: its shared receive context goes now, before them.
+    m_deciding->listener->shared_recv.reset();
     m_deciding.reset();
   }
   for (auto& listener : all.listeners) listener->pep.reset();
@@ -157,7 +160,8 @@ void Backend::open_active_endpoint(const EndPointAddress& address,
   }
   m_registry.index(conn);
   m_registry.add_connection(held, conn);
-  track_setup(conn);
+  conn->setup_deadline = std::chrono::steady_clock::now() + m_config.limits.connect_timeout;
+  track_setup(conn, conn->setup_deadline);
   const auto data = connect_data(*conn);
   if (const auto room = cm_data_room(&conn->ep->fid); room && data.size() > *room) {
     refuse_later(conn, RefusalCause::SETUP_FAILED,

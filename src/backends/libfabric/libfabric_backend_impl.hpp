@@ -107,9 +107,9 @@ struct Listener {
   Domain* const domain;
   std::shared_ptr<RecvBuffers> shared_recv;  // recv_params.use_shared_receive_buffers
   Fid<fid_pep> pep;
-  // The connection data the provider carries (FI_OPT_CM_DATA_SIZE; verbs' 56 when it does not
+  // The connection data the provider carries (FI_OPT_CM_DATA_SIZE; verbs' 55 when it does not
   // say): bounds the reason of a refusal.
-  std::size_t cm_data_size{56};
+  std::size_t cm_data_size{55};
   // Set by close_listen_endpoint. The pep stays open for a while after, rejecting what
   // arrives (common/closed_listeners.hpp).
   std::atomic<bool> closed{false};
@@ -132,6 +132,9 @@ struct Connection : detail::ConnectionBase {
     std::optional<Challenge> challenge{};
   };
   std::optional<ClientAdmission> admission;
+  // A client's set-up ends by this time, over all its requests (the second of a keyed client,
+  // another source port).
+  std::chrono::steady_clock::time_point setup_deadline{};
 
   // Under `mutex`.
   std::size_t peer_recv_size{0};
@@ -327,8 +330,11 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
   void refuse_queued_requests(Domain& domain) noexcept;
 
   // Refuses a connection request without a reason: rejected through its listener's passive
-  // endpoint while that is open (the client is told at once), else its handle is closed.
-  void refuse_request(const Listener* listener, fid_t handle) noexcept;
+  // endpoint while that is open (the client is told at once), else discarded.
+  void refuse_request(Domain& domain, const Listener* listener, fi_info* request) noexcept;
+  // A request no passive endpoint can answer any more (its listener was released): freed
+  // through an endpoint closed at once; the client sees its connection end during the set-up.
+  static void discard_request(Domain& domain, fi_info* request) noexcept;
 
   // Both drains return how many events or completions they handled.
   std::size_t drain_eq(Domain& domain);
@@ -376,19 +382,21 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
 
   // Server: whether the request may be accepted; otherwise it was answered (a challenge, or a
   // refusal with the reason). `accept_tail` gets what the accept data carry behind the CmData.
-  bool admit_request(const std::shared_ptr<Listener>& listener, fid_t handle, const CmData& peer,
-                     std::span<const std::uint8_t> tail, const EndPointAddress& remote,
-                     std::vector<std::uint8_t>& accept_tail);
+  bool admit_request(const std::shared_ptr<Listener>& listener, fi_info* request,
+                     const CmData& peer, std::span<const std::uint8_t> tail,
+                     const EndPointAddress& remote, std::vector<std::uint8_t>& accept_tail);
   // Server: the accept hook's verdict on a request (true without a hook). It runs on the loop
   // thread, no lock held; a backend destroyed inside it refuses the request (m_deciding).
-  bool decide(const std::shared_ptr<Listener>& listener, fid_t handle,
+  bool decide(const std::shared_ptr<Listener>& listener, fi_info* request,
               const EndPointAddress& remote, std::string identity, bool key_proven);
-  // Server: rejects a request with `flags` and `tail` (cut to what the provider carries).
-  static void reject_request(const Listener& listener, fid_t handle, std::uint16_t flags,
-                             std::span<const std::uint8_t> tail);
+  // Server: rejects a request with connection data of `flags` and `tail` (cut to what the
+  // provider carries) through the listener's passive endpoint while that is open; otherwise
+  // it is discarded (discard_request).
+  void reject_request(const Listener& listener, fi_info* request, std::uint16_t flags,
+                      std::span<const std::uint8_t> tail) noexcept;
   // Server: refuses a request as not admitted: logs `reason`, tells the client `for_client`.
-  static bool not_admitted(const Listener& listener, fid_t handle, const EndPointAddress& remote,
-                           std::string_view reason, std::string_view for_client);
+  bool not_admitted(const Listener& listener, fi_info* request, const EndPointAddress& remote,
+                    std::string_view reason, std::string_view for_client);
   // Client: the server's first answer was a challenge: ask again with the proof. False when
   // `conn` was refused instead.
   bool answer_challenge(const std::shared_ptr<Connection>& conn,
@@ -457,7 +465,7 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
   ChallengeTable m_challenges;
   struct Deciding {
     std::shared_ptr<Listener> listener;
-    fid_t handle;
+    fi_info* request;
   };
   std::optional<Deciding> m_deciding;
 

@@ -158,19 +158,58 @@ void Backend::refuse_queued_requests(Domain& domain) noexcept {
       [&](std::uint32_t event, const fi_eq_cm_entry& entry, std::span<const std::uint8_t>) {
         if (event == FI_CONNREQ) {
           const Info info{entry.info};
-          refuse_request(m_registry.listener_by_id(id_of(entry.fid)).get(), info->handle);
+          refuse_request(domain, m_registry.listener_by_id(id_of(entry.fid)).get(), info.get());
         }
         return true;
       },
       [](const fi_eq_err_entry&) { return true; });
 }
 
-void Backend::refuse_request(const Listener* listener, fid_t handle) noexcept {
+void Backend::refuse_request(Domain& domain, const Listener* listener, fi_info* request) noexcept {
   const std::lock_guard lock{m_pep_mutex};
   if (listener != nullptr && listener->pep) {
-    fi_reject(listener->pep.get(), handle, nullptr, 0);
-  } else if (handle != nullptr) {
-    fi_close(handle);
+    fi_reject(listener->pep.get(), request->handle, nullptr, 0);
+  } else {
+    discard_request(domain, request);
+  }
+}
+
+void Backend::reject_request(const Listener& listener, fi_info* request, std::uint16_t flags,
+                             std::span<const std::uint8_t> tail) noexcept {
+  const std::size_t room =
+      listener.cm_data_size > CM_DATA_SIZE ? listener.cm_data_size - CM_DATA_SIZE : 0;
+  std::vector<std::uint8_t> data;
+  try {
+    data = encode_cm(CmData{.recv_buf_size = 0, .flags = flags},
+                     tail.first(std::min(room, tail.size())));
+  } catch (const std::bad_alloc&) {
+    data.clear();  // rejected without data, below
+  }
+  const std::lock_guard lock{m_pep_mutex};
+  if (!listener.pep) {  // released meanwhile (its port was taken by a new listen endpoint)
+    discard_request(*listener.domain, request);
+    return;
+  }
+  const int rc = fi_reject(listener.pep.get(), request->handle, data.data(), data.size());
+  // The provider frees the request whether or not the peer hears of it, except where it
+  // refuses the data (a size it does not carry): then without data.
+  if (rc != 0 && !data.empty()) {
+    NETIO3_DEBUG("libfabric: fi_reject with {} bytes of data failed: {}", data.size(),
+                 fi_error(rc));
+    fi_reject(listener.pep.get(), request->handle, nullptr, 0);
+  }
+}
+
+void Backend::discard_request(Domain& domain, fi_info* request) noexcept {
+  // A request's handle has no operations of its own (fi_close on it would crash the tcp and
+  // verbs providers): an endpoint takes it over, and closing that frees it.
+  fid_ep* ep = nullptr;
+  if (fi_endpoint(domain.domain(), request, &ep, nullptr) == 0) {
+    fi_close(&ep->fid);
+  } else {
+    NETIO3_DEBUG(
+        "libfabric: a connection request of a released listen endpoint is left to "
+        "the provider");
   }
 }
 
@@ -559,7 +598,8 @@ bool Backend::connect_again(const std::shared_ptr<Connection>& old) {
     retire_unregistered(conn);
     return false;
   }
-  track_setup(conn);
+  conn->setup_deadline = old->setup_deadline;
+  track_setup(conn, conn->setup_deadline);
   close(old, "superseded", CloseCause::ERROR, false);
   const auto data = connect_data(*conn);
   const int rc = fi_connect(conn->ep.get(), info->dest_addr, data.data(), data.size());
@@ -591,7 +631,7 @@ void Backend::on_connection_request(Domain& domain, const fi_eq_cm_entry& entry,
   // A request for a closed listener is refused at once (the peer does not wait for its
   // set-up to time out, and the provider frees the request's socket).
   const auto refuse_closed = [&] {
-    refuse_request(listener.get(), info->handle);
+    refuse_request(domain, listener.get(), info.get());
     NETIO3_DEBUG("libfabric: refused a connection request on a closed listen endpoint");
   };
   if (!listener || listener->closed.load()) {
@@ -600,7 +640,7 @@ void Backend::on_connection_request(Domain& domain, const fi_eq_cm_entry& entry,
   }
   const auto reject = [&](std::string_view why, std::uint16_t flags = 0) {
     NETIO3_WARN("libfabric: refusing a connection on {}: {}", listener->address, why);
-    reject_request(*listener, info->handle, flags, {});
+    reject_request(*listener, info.get(), flags, {});
   };
   std::string error;
   const auto peer = decode_cm_data(data, error);
@@ -616,14 +656,15 @@ void Backend::on_connection_request(Domain& domain, const fi_eq_cm_entry& entry,
   // Admission, before the connection exists: no endpoint, no buffer for a refused peer.
   std::vector<std::uint8_t> accept_tail;
   const bool gated = !m_key.empty() || m_config.on_accept_cb || (peer->flags & CM_KEYED) != 0;
-  if (gated && !admit_request(listener, info->handle, *peer, cm_tail(data), *remote, accept_tail)) {
+  if (gated && !admit_request(listener, info.get(), *peer, cm_tail(data), *remote, accept_tail)) {
     return;
   }
   std::shared_ptr<Connection> conn;
   {
     const auto held = m_registry.lock();
-    if (!m_registry.has_listener(held, listener->address)) {
-      refuse_closed();  // closed meanwhile
+    // Closed meanwhile (also inside the accept hook; a new listener may have its port).
+    if (!m_registry.has_listener(held, listener->address) || listener->closed.load()) {
+      refuse_closed();
       return;
     }
     if (m_registry.find(held, *remote)) {
@@ -677,11 +718,11 @@ void Backend::on_connected(const std::shared_ptr<Connection>& conn,
 
 // ---- admission ------------------------------------------------------------------------
 
-bool Backend::admit_request(const std::shared_ptr<Listener>& listener, fid_t handle,
+bool Backend::admit_request(const std::shared_ptr<Listener>& listener, fi_info* request,
                             const CmData& peer, std::span<const std::uint8_t> tail,
                             const EndPointAddress& remote, std::vector<std::uint8_t>& accept_tail) {
   const auto refuse_it = [&](std::string_view reason, std::string_view for_client = {}) {
-    return not_admitted(*listener, handle, remote, reason,
+    return not_admitted(*listener, request, remote, reason,
                         for_client.empty() ? reason : for_client);
   };
   const bool keyed_peer = (peer.flags & CM_KEYED) != 0;
@@ -690,7 +731,7 @@ bool Backend::admit_request(const std::shared_ptr<Listener>& listener, fid_t han
       return refuse_it("the peer requires a partition key, and this side has none",
                        "it holds no partition key, and the client requires one");
     }
-    return decide(listener, handle, remote, {}, false);
+    return decide(listener, request, remote, {}, false);
   }
   if (!keyed_peer) {
     return refuse_it("the peer holds no partition key, and this side requires one",
@@ -699,15 +740,15 @@ bool Backend::admit_request(const std::shared_ptr<Listener>& listener, fid_t han
   const auto now = ChallengeTable::Clock::now();
   if ((peer.flags & CM_PROOF) == 0) {
     // The first request: a challenge goes back with the rejection.
-    auto request = decode_keyed_request(tail);
-    if (!request) {
+    auto keyed = decode_keyed_request(tail);
+    if (!keyed) {
       return refuse_it(
           fmt::format("a keyed request whose {} bytes of admission data are no nonce and identity",
                       tail.size()));
     }
     const auto challenge =
-        m_challenges.issue(listener->id, std::move(*request), m_config.limits.connect_timeout, now);
-    reject_request(*listener, handle, CM_CHALLENGE, encode(challenge));
+        m_challenges.issue(listener->id, std::move(*keyed), m_config.limits.connect_timeout, now);
+    reject_request(*listener, request, CM_CHALLENGE, encode(challenge));
     NETIO3_DEBUG("libfabric: sent a challenge to {} on {}", remote, listener->address);
     return false;
   }
@@ -727,43 +768,35 @@ bool Backend::admit_request(const std::shared_ptr<Listener>& listener, fid_t han
     return refuse_it(
         "the peer failed to prove the partition key (another key, or a replayed set-up)");
   }
-  if (!decide(listener, handle, remote, entry->identity, true)) return false;
+  if (!decide(listener, request, remote, entry->identity, true)) return false;
   const auto proof = m_key.prove(ADMISSION_PROTOCOL, detail::AdmissionRole::SERVER, entry->client,
                                  entry->server, m_config.identity);
   accept_tail = encode(ServerProof{short_proof(proof), m_config.identity});
   return true;
 }
 
-bool Backend::decide(const std::shared_ptr<Listener>& listener, fid_t handle,
+bool Backend::decide(const std::shared_ptr<Listener>& listener, fi_info* request,
                      const EndPointAddress& remote, std::string identity, bool key_proven) {
   if (!m_config.on_accept_cb) return true;
   const PeerInfo peer{.remote = remote,
                       .listener = listener->address,
                       .identity = std::move(identity),
                       .key_proven = key_proven};
-  m_deciding = Deciding{listener, handle};
+  m_deciding = Deciding{listener, request};
   const AcceptDecision decision = detail::run_accept_hook(m_config.on_accept_cb, peer, NAME);
   if (shut_down()) return false;  // the shutdown refused the request
   m_deciding.reset();
   if (!decision.admit)
-    return not_admitted(*listener, handle, remote, decision.reason, decision.reason);
+    return not_admitted(*listener, request, remote, decision.reason, decision.reason);
   return true;
 }
 
-void Backend::reject_request(const Listener& listener, fid_t handle, std::uint16_t flags,
-                             std::span<const std::uint8_t> tail) {
-  const std::size_t room =
-      listener.cm_data_size > CM_DATA_SIZE ? listener.cm_data_size - CM_DATA_SIZE : 0;
-  const auto data = encode_cm(CmData{.recv_buf_size = 0, .flags = flags},
-                              tail.first(std::min(room, tail.size())));
-  fi_reject(listener.pep.get(), handle, data.data(), data.size());
-}
-
-bool Backend::not_admitted(const Listener& listener, fid_t handle, const EndPointAddress& remote,
-                           std::string_view reason, std::string_view for_client) {
+bool Backend::not_admitted(const Listener& listener, fi_info* request,
+                           const EndPointAddress& remote, std::string_view reason,
+                           std::string_view for_client) {
   NETIO3_WARN("libfabric: refusing connection from {} on {}: {}", remote, listener.address, reason);
   const auto text = detail::encode_refusal(for_client);
-  reject_request(listener, handle, CM_NOT_ADMITTED, text);
+  reject_request(listener, request, CM_NOT_ADMITTED, text);
   return false;
 }
 
@@ -780,9 +813,14 @@ bool Backend::answer_challenge(const std::shared_ptr<Connection>& conn,
     problem = "a challenge after the set-up";
   }
   if (problem.empty()) {
+    // Closed by the application meanwhile: its posted close ends it.
+    if (conn->close_requested.load()) return false;
     conn->admission->challenge = challenge;
     if (connect_again(conn)) return true;
-    problem = "the second request could not be sent (see the log)";
+    refuse(conn, RefusalCause::SETUP_FAILED,
+           "the second connection request of the partition key's challenge could not be made "
+           "(the log says why)");
+    return false;
   }
   NETIO3_WARN("libfabric: connection to {} not admitted: {}", conn->remote, problem);
   refuse(conn, RefusalCause::NOT_ADMITTED, problem);
