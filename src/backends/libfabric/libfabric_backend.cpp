@@ -53,12 +53,18 @@ void Backend::shutdown() noexcept {
   // otherwise), and their clients wait for an answer: each is refused now.
   for (const auto& domain : m_domains) refuse_queued_requests(*domain);
   // Destroyed inside the accept hook: the request it was asked about is refused too.
-  if (m_deciding) {
-    refuse_request(*m_deciding->listener->domain, m_deciding->listener.get(), m_deciding->request);
+  std::optional<Deciding> deciding;
+  {
+    const std::lock_guard lock{m_pep_mutex};
+    deciding.swap(m_deciding);
+  }
+  if (deciding) {
+    if (!deciding->answered) {
+      refuse_request(*deciding->listener->domain, deciding->listener.get(), deciding->request);
+    }
     // The request's listener is held by the call that runs the hook, until after the domains
     // went: its shared receive context goes now, before them.
-    m_deciding->listener->shared_recv.reset();
-    m_deciding.reset();
+    deciding->listener->shared_recv.reset();
   }
   for (auto& listener : all.listeners) listener->pep.reset();
   if (m_closed_listeners) m_closed_listeners->release_all();

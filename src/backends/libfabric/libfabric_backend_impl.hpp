@@ -459,13 +459,15 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
   std::optional<detail::ClosedListeners<Listener>> m_closed_listeners;
   std::mutex m_pep_mutex;  // closing a closed listener's pep vs. rejecting with it
 
-  // Admission (loop thread): the key, the challenges a server waits answers for, and the
-  // request whose accept hook is running.
+  // Admission (loop thread): the key, the challenges a server waits answers for; and (under
+  // m_pep_mutex) the request whose accept hook is running, which a listener released
+  // meanwhile (any thread) answers before its passive endpoint goes.
   const detail::PartitionKey m_key{m_config.partition_key};
   ChallengeTable m_challenges;
   struct Deciding {
     std::shared_ptr<Listener> listener;
     fi_info* request;
+    bool answered{false};
   };
   std::optional<Deciding> m_deciding;
 

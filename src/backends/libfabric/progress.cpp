@@ -782,10 +782,23 @@ bool Backend::decide(const std::shared_ptr<Listener>& listener, fi_info* request
                       .listener = listener->address,
                       .identity = std::move(identity),
                       .key_proven = key_proven};
-  m_deciding = Deciding{listener, request};
+  {
+    const std::lock_guard lock{m_pep_mutex};
+    m_deciding = Deciding{listener, request};
+  }
   const AcceptDecision decision = detail::run_accept_hook(m_config.on_accept_cb, peer, NAME);
   if (shut_down()) return false;  // the shutdown refused the request
-  m_deciding.reset();
+  bool answered = false;
+  {
+    const std::lock_guard lock{m_pep_mutex};
+    answered = m_deciding && m_deciding->answered;
+    m_deciding.reset();
+  }
+  if (answered) {
+    NETIO3_DEBUG("libfabric: the listen endpoint {} went while its hook decided about {}",
+                 listener->address, remote);
+    return false;
+  }
   if (!decision.admit)
     return not_admitted(*listener, request, remote, decision.reason, decision.reason);
   return true;
@@ -875,6 +888,13 @@ void Backend::abandon(Connection& conn) noexcept {
 void Backend::release_listener(Listener& listener) {
   {
     const std::lock_guard lock{m_pep_mutex};
+    // The request its accept hook is being asked about is answered now, while its passive
+    // endpoint can: refused as for a closed listener (the hook's verdict is then ignored).
+    if (m_deciding && !m_deciding->answered && m_deciding->listener.get() == &listener &&
+        listener.pep) {
+      fi_reject(listener.pep.get(), m_deciding->request->handle, nullptr, 0);
+      m_deciding->answered = true;
+    }
     listener.pep.reset();
   }
   m_registry.forget_listener(listener.id);
