@@ -367,8 +367,11 @@ class ConnectionEngine {
     });
   }
 
-  // `conn` must be open within limits.connect_timeout, or it is closed with the reason.
-  void track_setup(const std::shared_ptr<Conn>& conn) { m_setup->track(conn); }
+  // `conn` must be open within limits.connect_timeout, or it is closed with the reason; returns
+  // that deadline.
+  std::chrono::steady_clock::time_point track_setup(const std::shared_ptr<Conn>& conn) {
+    return m_setup->track(conn);
+  }
   void track_setup(const std::shared_ptr<Conn>& conn, std::chrono::steady_clock::time_point until) {
     m_setup->track(conn, until);
   }

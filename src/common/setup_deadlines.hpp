@@ -49,7 +49,12 @@ class SetupDeadlines {
     });
   }
 
-  void track(const std::shared_ptr<Conn>& conn) { track(conn, Clock::now() + m_state->timeout); }
+  // Returns the deadline.
+  Clock::time_point track(const std::shared_ptr<Conn>& conn) {
+    const auto deadline = Clock::now() + m_state->timeout;
+    track(conn, deadline);
+    return deadline;
+  }
   // With a deadline of its own (a set-up that goes on in a new connection object keeps the
   // first one's).
   void track(const std::shared_ptr<Conn>& conn, Clock::time_point deadline) {

@@ -166,8 +166,7 @@ void Backend::open_active_endpoint(const EndPointAddress& address,
   }
   m_registry.index(conn);
   m_registry.add_connection(held, conn);
-  conn->setup_deadline = std::chrono::steady_clock::now() + m_config.limits.connect_timeout;
-  track_setup(conn, conn->setup_deadline);
+  conn->setup_deadline = track_setup(conn);
   const auto data = connect_data(*conn);
   if (const auto room = cm_data_room(&conn->ep->fid); room && data.size() > *room) {
     refuse_later(conn, RefusalCause::SETUP_FAILED,

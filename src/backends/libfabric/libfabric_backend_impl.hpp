@@ -364,9 +364,6 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
 
   void on_eq_error(Domain& domain, const fi_eq_err_entry& err);
 
-  // The reject data of a netio3 server that has a connection from our source port already.
-  static bool refused_address_in_use(const fi_eq_err_entry& err);
-
   // The server refused `old` because it has a connection from its source address and port:
   // a new endpoint, from a source port of its own, takes its place under the same address (at
   // most SOURCE_PORT_RETRIES times), and `old` goes without a callback. False when it may not

@@ -491,7 +491,10 @@ void Backend::on_eq_error(Domain& domain, const fi_eq_err_entry& err) {
     if (detail != nullptr && *detail != '\0') why = fmt::format("{}: {}", why, detail);
   }
   auto refusal = RefusalCause::SETUP_FAILED;
-  bool challenged = false;
+  // What the reject data ask of the connection, once it is known: a refusal, another source
+  // port, or the second request of the partition key's challenge.
+  enum class Then : std::uint8_t { REFUSE, OTHER_SOURCE_PORT, ANSWER_CHALLENGE };
+  Then then = Then::REFUSE;
   std::optional<Challenge> challenge;
   if (err.err == FI_ECONNREFUSED) {
     // A netio3 listener that says no sends its connection data with the refusal; a closed
@@ -507,13 +510,14 @@ void Backend::on_eq_error(Domain& domain, const fi_eq_err_entry& err) {
       refusal = RefusalCause::UNREACHABLE;
       why += " (nothing listens there, or its listen endpoint was closed)";
     } else if ((data->flags & CM_REFUSED_ADDRESS_IN_USE) != 0) {
+      then = Then::OTHER_SOURCE_PORT;
       refusal = RefusalCause::REJECTED;
       why = "refused by the peer: it has a connection from this source address and port already";
     } else if ((data->flags & CM_NOT_ADMITTED) != 0) {
       refusal = RefusalCause::NOT_ADMITTED;
       why = fmt::format("refused by the server: {}", detail::decode_refusal(cm_tail(reject_data)));
     } else if ((data->flags & CM_CHALLENGE) != 0) {
-      challenged = true;  // answered below, when the connection is known
+      then = Then::ANSWER_CHALLENGE;
       challenge = decode_challenge(cm_tail(reject_data));
     } else {
       refusal = RefusalCause::REJECTED;
@@ -525,11 +529,11 @@ void Backend::on_eq_error(Domain& domain, const fi_eq_err_entry& err) {
     refusal = RefusalCause::UNREACHABLE;
   }
   if (auto conn = m_registry.by_id(id_of(err.fid))) {
-    if (err.err == FI_ECONNREFUSED && refused_address_in_use(err) &&
-        conn->phase == Phase::CONNECTING && reconnect_from_new_source_port(conn)) {
+    if (then == Then::OTHER_SOURCE_PORT && conn->phase == Phase::CONNECTING &&
+        reconnect_from_new_source_port(conn)) {
       return;
     }
-    if (challenged) {
+    if (then == Then::ANSWER_CHALLENGE) {
       (void)answer_challenge(conn, challenge);
       return;
     }
@@ -540,14 +544,6 @@ void Backend::on_eq_error(Domain& domain, const fi_eq_err_entry& err) {
     return;
   }
   NETIO3_DEBUG("libfabric: event queue error for no known endpoint: {}", why);
-}
-
-bool Backend::refused_address_in_use(const fi_eq_err_entry& err) {
-  if (err.err_data == nullptr || err.err_data_size < CM_DATA_MIN_SIZE) return false;
-  std::string ignored;
-  const auto data =
-      decode_cm_data({static_cast<const std::uint8_t*>(err.err_data), err.err_data_size}, ignored);
-  return data && (data->flags & CM_REFUSED_ADDRESS_IN_USE) != 0;
 }
 
 bool Backend::reconnect_from_new_source_port(const std::shared_ptr<Connection>& old) {
