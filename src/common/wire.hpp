@@ -143,6 +143,10 @@ class FrameDecoder {
   void reset() noexcept;
   // A message body is being assembled (the memory admitted for it is in use).
   [[nodiscard]] bool in_body() const noexcept { return m_stage == Stage::BODY; }
+  // Bytes of that body still to come (0 outside a body).
+  [[nodiscard]] std::size_t body_remaining() const noexcept {
+    return m_stage == Stage::BODY ? m_body_len - m_body_have : 0;
+  }
 
   // While a large message is being assembled, the space the next read may fill directly
   // (never past the end of that message); empty otherwise. Follow a read into it with

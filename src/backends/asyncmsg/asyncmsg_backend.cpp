@@ -362,6 +362,8 @@ bool Backend::reconnect_from_new_source_port(const std::shared_ptr<Connection>& 
   conn->decoder.set_max_message_size(detail::MAX_ADMISSION_FRAME);
   conn->epollout = false;
   conn->large_messages = false;
+  conn->wake_threshold = 1;  // a new socket
+  conn->queued_at_tick = 0;
   const std::lock_guard lock{conn->mutex};
   conn->fd = m_loop->add_fd(conn->socket.native_handle(), EPOLLOUT, socket_callback(conn));
   return true;
@@ -582,6 +584,40 @@ void Backend::send_heartbeat(const std::shared_ptr<Connection>& conn) {
 }
 
 void Backend::on_readable(const std::shared_ptr<Connection>& conn) {
+  read_available(conn);
+  if (!shut_down() && !conn->ending()) set_wake_threshold(*conn);
+}
+
+void Backend::set_wake_threshold(Connection& conn) {
+  const std::size_t rest = conn.decoder.body_remaining();
+  const int wanted = rest >= FrameDecoder::DIRECT_MIN && !conn.receive_paused
+                         ? static_cast<int>(std::min(rest, WAKE_THRESHOLD_MAX))
+                         : 1;
+  if (wanted == conn.wake_threshold) return;
+  if (::setsockopt(conn.socket.native_handle(), SOL_SOCKET, SO_RCVLOWAT, &wanted,
+                   sizeof wanted) != 0) {
+    // Never fatal: the loop is then woken as data come, as without the threshold.
+    NETIO3_DEBUG("asyncmsg: connection with {}: SO_RCVLOWAT {}: {}", conn.remote, wanted,
+                 detail::errno_text(errno));
+    return;
+  }
+  conn.wake_threshold = wanted;
+  conn.queued_at_tick = 0;
+}
+
+bool Backend::receiving(const Connection& conn) {
+  if (conn.receive_paused) return false;
+  if (conn.wake_threshold <= 1) return true;
+  // asio's native_handle() is not const, although it only reads the descriptor.
+  const int fd = const_cast<tcp::socket&>(conn.socket).native_handle();
+  int queued = 0;
+  if (::ioctl(fd, FIONREAD, &queued) != 0) return true;
+  const bool grew = queued != conn.queued_at_tick;
+  conn.queued_at_tick = queued;
+  return !grew;
+}
+
+void Backend::read_available(const std::shared_ptr<Connection>& conn) {
   if (!m_scratch) m_scratch = std::make_unique_for_overwrite<std::uint8_t[]>(SCRATCH_SIZE);
   const int fd = conn->socket.native_handle();
   const auto on_greeting_cb = [&](const Greeting& g) { return on_greeting(conn, g); };
@@ -717,7 +753,10 @@ void Backend::resume_waiting() {
     m_receive_waiting.pop_front();
     conn->receive_paused = false;
     if (conn->ending()) continue;
-    if (after_decode(conn, status)) update_events(*conn);
+    if (after_decode(conn, status)) {
+      set_wake_threshold(*conn);
+      update_events(*conn);
+    }
   }
 }
 

@@ -15,6 +15,7 @@
 #include <netinet/tcp.h>
 #include <optional>
 #include <sys/epoll.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <tuple>
 #include <unordered_map>
@@ -58,6 +59,12 @@ constexpr std::size_t MAX_IOV = 256;
 constexpr std::size_t MAX_WRITE_BYTES = std::size_t{16} << 20U;
 // Per readiness event, so that one busy connection cannot starve the others.
 constexpr int READS_PER_EVENT = 8;
+// While the rest of a large message body is awaited, the socket's SO_RCVLOWAT asks the
+// kernel to wake the loop only when that rest (at most this much of it) has arrived: one
+// wake-up per 1 MiB message instead of one per few segments, each of which cost the sending
+// process a cross-CPU wake-up on loopback (docs/benchmarks.md, "Seventh step"). Never more
+// than the message still needs, so nothing that has arrived waits for bytes that may not come.
+constexpr std::size_t WAKE_THRESHOLD_MAX = std::size_t{1} << 20U;
 constexpr int WRITES_PER_FLUSH = 8;
 // What one flush may report, so that a loop whose completion callbacks are slower than the
 // application's sending threads still turns to its timers and descriptors (a write of 16 MiB
@@ -115,6 +122,9 @@ struct Connection : detail::ConnectionBase {
   bool epollout{false};
   bool receive_paused{false};  // waiting for receive memory: not reading
   bool large_messages{false};  // the last message was read directly: so will the next be
+  int wake_threshold{1};       // the socket's SO_RCVLOWAT (set_wake_threshold)
+  // Liveness while wake_threshold > 1: the bytes the kernel held at the last tick.
+  mutable int queued_at_tick{0};
   std::size_t reserved{0};     // receive memory admitted for the message being assembled
 
   // Admission (docs/admission.md), loop thread only. Until the connection is established its
@@ -209,7 +219,10 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
   }
 
   // Not while the connection waits for receive memory: the peer's bytes wait in the kernel.
-  [[nodiscard]] static bool receiving(const Connection& conn) { return !conn.receive_paused; }
+  // Nor while a message body's bytes trickle in below the wake threshold: the kernel holds
+  // more of them than at the last tick, so the peer is heard (a peer that stopped
+  // mid-message adds nothing, and is judged as silent).
+  [[nodiscard]] static bool receiving(const Connection& conn);
 
   // Drops a connection without callbacks (backend shutdown).
   static void abandon(Connection& conn) noexcept;
@@ -309,6 +322,10 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
   bool on_message(const std::shared_ptr<Connection>& conn, std::span<const std::uint8_t> message);
 
   void on_readable(const std::shared_ptr<Connection>& conn);
+  void read_available(const std::shared_ptr<Connection>& conn);
+  // SO_RCVLOWAT for the decoder's state: the rest of a large body being read directly (up to
+  // WAKE_THRESHOLD_MAX), 1 otherwise. Whenever the loop stops reading a connection.
+  static void set_wake_threshold(Connection& conn);
 
   // Returns true when no connection is waiting to be flushed.
   bool process_flush_list();
