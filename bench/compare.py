@@ -149,6 +149,34 @@ def _die_with_parent():
         pass
 
 
+# CPU pinning (--pin, the default where two CPUs are allowed): every server process runs on
+# one CPU and every client on another, netio3 and the references alike. Left to the
+# scheduler, the two processes of a run sometimes share a CPU for a while (busy-polling ones
+# most), and a run then lands at about half the rate of the next: on the project's 2-CPU VM
+# libfabric 1 MiB zero-copy ran at 35-72 Gbit/s unpinned, 56-69 pinned (docs/benchmarks.md).
+PIN = {"client": None, "server": None}
+
+
+def pin_cpus(enabled):
+    """Chooses the client's and the server's CPU among those this process may use."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if enabled and len(cpus) >= 2:
+        PIN["client"], PIN["server"] = cpus[0], cpus[1]
+    else:
+        PIN["client"] = PIN["server"] = None
+    return PIN["client"], PIN["server"]
+
+
+def _start_as(role):
+    cpu = PIN[role]
+
+    def start():
+        _die_with_parent()
+        if cpu is not None:
+            os.sched_setaffinity(0, {cpu})
+    return start
+
+
 class Server:
     """A server process in the background; its output goes to a log file. Ready when it
     printed 'listening on IP:PORT' (netio3 programs) or when `port` is listening."""
@@ -164,7 +192,7 @@ class Server:
         log.flush()
         try:
             self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=log, text=True,
-                                         env=env, preexec_fn=_die_with_parent,
+                                         env=env, preexec_fn=_start_as("server"),
                                          start_new_session=True)
         except OSError as e:
             log.close()
@@ -300,15 +328,17 @@ class Runner:
             print(f"[{self.count:3}] r{self.round} {what:45} {r['status'].upper()}: "
                   f"{r['error']}", flush=True)
 
-    def client(self, name, argv, env=None, timeout=None):
+    def client(self, name, argv, env=None, timeout=None, role="client"):
         """Runs a client to its end; returns (returncode, stdout+stderr). The output is
-        kept in OUT/logs/client-NAME.log."""
+        kept in OUT/logs/client-NAME.log. role "both": a program that is its own server
+        (one process, both ends), left unpinned."""
         argv = [str(a) for a in argv]
         timeout = timeout or self.args.duration * 3 + 60
         log = self.logs / f"client-{name}.log"
         try:
             done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=timeout,
-                                  preexec_fn=_die_with_parent)
+                                  preexec_fn=_start_as(role) if role != "both" else
+                                  _die_with_parent)
             output, rc = done.stdout + done.stderr, done.returncode
         except subprocess.TimeoutExpired as e:
             output = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) \
@@ -328,10 +358,10 @@ class Runner:
 
     # -- netio3-perf and the raw programs: same CLI, JSON Lines output --
 
-    def json_client(self, label, group, name, argv, env, test, size):
+    def json_client(self, label, group, name, argv, env, test, size, role="client"):
         json_path = self.runs / f"{name}-r{self.round}.jsonl"
         json_path.unlink(missing_ok=True)
-        rc, output = self.client(name, argv + ["--json", json_path], env=env)
+        rc, output = self.client(name, argv + ["--json", json_path], env=env, role=role)
         lines = json_path.read_text().splitlines() if json_path.exists() else []
         if not lines:
             raise RunError(f"exit {rc}, no result: {tail(output)}")
@@ -858,9 +888,11 @@ class Runner:
                   "--duration", d]),
             ]
             for label, name, argv in runs:
+                # The loopback runs hold both ends in one process: not pinned to one CPU.
+                role = "both" if name in ("py-aio", "pyzmq") else "client"
                 try:
                     self.add(self.json_client(label, "python", f"{name}-{size}", argv, env,
-                                              "throughput", size))
+                                              "throughput", size, role))
                 except RunError as e:
                     self.add(failed(label, "python", "throughput", size, str(e)))
         if server is not None:
@@ -988,17 +1020,19 @@ def ratio_rows(summaries, sizes, latency_sizes, rounds):
     specs = []
     # At 1 MiB the targets judge equal working sets: iperf3, ucx_perftest and the raw
     # programs send one buffer over and over (it stays in cache); "zero-copy same" does too
-    # (netio3-perf --same-buffer). Buffered sends reuse the most recently freed buffer and
-    # copy sends copy from one source, so those compare alike. "zero-copy" (the default
-    # window, a new slot per message) is what a producer with data fresh from DRAM sees: it
-    # is judged against a memcpy of its working set (same-host section).
+    # (netio3-perf --same-buffer), and copy sends copy from one source (the copy they ask
+    # for is their extra cost). "zero-copy" (the default window, a new slot per message) and
+    # "buffered" (the window's pool buffers, 8 x 1 MiB, each in flight until sent) rotate
+    # through the window as a producer with data fresh from memory does: information here,
+    # judged against a memcpy of their working set in the same-host section.
     for send in ("buffered", "copy", "zero-copy", "zero-copy same"):
         for size in sizes:
             if send == "zero-copy same" and size < SAME_HOST_W1_MIN:
                 continue
             specs.append((f"asyncmsg {send} / iperf3 bandwidth", size, f"asyncmsg {send}",
                           "throughput", "iperf3", "throughput", "bw",
-                          (">=", 0.9) if size == 1048576 and send != "zero-copy" else None))
+                          (">=", 0.9) if size == 1048576 and send in ("copy", "zero-copy same")
+                          else None))
     for send in ("copy", "buffered"):
         if 64 in sizes:
             specs.append((f"asyncmsg {send} / zmq push-pull msg rate", 64, f"asyncmsg {send}",
@@ -1012,7 +1046,9 @@ def ratio_rows(summaries, sizes, latency_sizes, rounds):
     def equal_ws_target(send, size):
         if send == "zero-copy same" and size < SAME_HOST_W1_MIN:
             return "skip"
-        return None if size == 1048576 and send == "zero-copy" else ucx_target.get(size)
+        if size == 1048576 and send in ("zero-copy", "buffered"):
+            return None  # the window's working set (above)
+        return ucx_target.get(size)
 
     for send in ("buffered", "copy", "zero-copy", "zero-copy same"):
         for size in sizes:
@@ -1368,6 +1404,9 @@ def parse_args(argv):
                    help="connection counts of the fan-in section (default 1,16,128; it needs 1)")
     p.add_argument("--fan-in-size", type=int, default=FAN_IN_SIZE, metavar="BYTES",
                    help="message size of the fan-in section (default 4096)")
+    p.add_argument("--no-pin", dest="pin", action="store_false",
+                   help="leave the processes to the scheduler (default: every server on one "
+                        "CPU, every client on another, where two CPUs are allowed)")
     p.add_argument("--only", default=",".join(GROUPS),
                    help=f"what to run, comma separated (default all: {','.join(GROUPS)})")
     args = p.parse_args(argv)
@@ -1419,6 +1458,9 @@ def main(argv):
 
     started = datetime.datetime.now()
     t0 = time.monotonic()
+    client_cpu, server_cpu = pin_cpus(args.pin)
+    pinning = (f"clients on CPU {client_cpu}, servers on CPU {server_cpu}"
+               if client_cpu is not None else "not pinned")
     runner = Runner(args)
     try:
         runner.run()
@@ -1437,7 +1479,7 @@ def main(argv):
     how = (f"{rounds} rounds (size by size, order reversed every other round), "
            "medians over the rounds" if rounds > 1 else "1 round")
     header = (f"bench/compare {started:%Y-%m-%d %H:%M}, {args.duration:g} s per run, {how}, "
-              f"loopback {HOST}, two processes per run; took {took / 60:.1f} min "
+              f"loopback {HOST}, two processes per run ({pinning}); took {took / 60:.1f} min "
               f"(rounds: {per_round} min)\n{machine_line()}")
     sections = []
     md = [f"## netio3 vs. raw references\n\n{header.replace(chr(10), '  ' + chr(10))}\n"]

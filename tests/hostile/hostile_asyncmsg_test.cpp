@@ -525,7 +525,8 @@ TEST_F(HostileAsyncmsg, ABodyTricklingInBelowTheWakeThresholdIsHeardAndOneThatSt
   const auto started = std::chrono::steady_clock::now();
   for (std::size_t at = HEADER_SIZE + PIECE; at < frame.size(); at += PIECE) {
     std::this_thread::sleep_for(EVERY);  // the peer's pace (not a wait for the server)
-    ASSERT_TRUE(trickling.send_all(std::span{frame}.subspan(at, std::min(PIECE, frame.size() - at))));
+    ASSERT_TRUE(
+        trickling.send_all(std::span{frame}.subspan(at, std::min(PIECE, frame.size() - at))));
   }
   EXPECT_GT(std::chrono::steady_clock::now() - started, 5 * TIMEOUT);
   EXPECT_TRUE(m_checker.wait_received(stream, 1, PROMPT)) << m_logs.dump();

@@ -594,8 +594,8 @@ void Backend::set_wake_threshold(Connection& conn) {
                          ? static_cast<int>(std::min(rest, WAKE_THRESHOLD_MAX))
                          : 1;
   if (wanted == conn.wake_threshold) return;
-  if (::setsockopt(conn.socket.native_handle(), SOL_SOCKET, SO_RCVLOWAT, &wanted,
-                   sizeof wanted) != 0) {
+  if (::setsockopt(conn.socket.native_handle(), SOL_SOCKET, SO_RCVLOWAT, &wanted, sizeof wanted) !=
+      0) {
     // Never fatal: the loop is then woken as data come, as without the threshold.
     NETIO3_DEBUG("asyncmsg: connection with {}: SO_RCVLOWAT {}: {}", conn.remote, wanted,
                  detail::errno_text(errno));

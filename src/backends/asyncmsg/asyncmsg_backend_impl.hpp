@@ -125,7 +125,7 @@ struct Connection : detail::ConnectionBase {
   int wake_threshold{1};       // the socket's SO_RCVLOWAT (set_wake_threshold)
   // Liveness while wake_threshold > 1: the bytes the kernel held at the last tick.
   mutable int queued_at_tick{0};
-  std::size_t reserved{0};     // receive memory admitted for the message being assembled
+  std::size_t reserved{0};  // receive memory admitted for the message being assembled
 
   // Admission (docs/admission.md), loop thread only. Until the connection is established its
   // decoder takes no frame larger than detail::MAX_ADMISSION_FRAME.
