@@ -88,7 +88,8 @@ namespace netio3::detail {
 // and may implement
 //  - after_closed(conn): the connection is CLOSED (its end is about to be reported): free
 //    what the transport kept for it. No callback.
-//  - receiving(conn) -> bool: false while the transport does not read the connection (the
+//  - receiving(conn) -> bool: false while the transport does not read the connection, or
+//    holds bytes from the peer it has not read yet that grew since the last tick (the
 //    peer's silence is not judged then). Always true if absent.
 // How send_data's and send_data_copy's payload is handed to the transport.
 enum class Payload : std::uint8_t { REFERENCE, COPY };

@@ -500,8 +500,8 @@ TEST_F(HostileAsyncmsg, MaxMessageSizeBoundary) {
 // While the rest of a large body is awaited, asyncmsg asks the kernel (SO_RCVLOWAT) to wake
 // it only when that rest has come: bytes below the threshold stay in the kernel, unread.
 // Such bytes still count as the peer being heard (limits.peer_timeout), and a peer that stops
-// mid-body is still judged silent. Both at once: A trickles a 2 MiB body in over more than
-// three timeouts, B sends part of one and stops.
+// mid-body is still judged silent. Both at once: A trickles a 2 MiB body in over six
+// timeouts (the threshold of 1 MiB reached after three), B sends part of one and stops.
 TEST_F(HostileAsyncmsg, ABodyTricklingInBelowTheWakeThresholdIsHeardAndOneThatStopsIsSilent) {
   constexpr auto TIMEOUT = 500ms;
   auto limits = patient_limits();
@@ -520,6 +520,11 @@ TEST_F(HostileAsyncmsg, ABodyTricklingInBelowTheWakeThresholdIsHeardAndOneThatSt
     append(start_bytes, std::span{frame}.first(HEADER_SIZE + PIECE));
     ASSERT_TRUE(peer->send_all(start_bytes));
     ASSERT_TRUE(wait_server_event(Recorder::Kind::ESTABLISHED, peer->local()));
+  }
+  // Both wait for the rest of their body above the threshold of 1 (else nothing is tested).
+  for (RawPeer* peer : {&trickling, &stopping}) {
+    EXPECT_TRUE(netio3::test::eventually([&] { return server_wake_threshold(*peer) > 1; }, PROMPT))
+        << "the server's SO_RCVLOWAT stayed " << server_wake_threshold(*peer);
   }
   ASSERT_TRUE(stopping.send_all(std::span{frame}.subspan(HEADER_SIZE + PIECE, 4 * PIECE)));
   const auto started = std::chrono::steady_clock::now();
@@ -545,6 +550,7 @@ TEST_F(HostileAsyncmsg, SmallMessagesBehindALargeOneAreDeliveredWithoutMoreBytes
   ASSERT_NO_FATAL_FAILURE(start());
   const std::vector<std::vector<std::size_t>> runs{
       {1U << 20U, 100}, {3U << 20U, 70U << 10U, 8}, {(1U << 20U) + 1, 65U << 10U}};
+  constexpr std::size_t FIRST = 100U << 10U;  // of the large frame, before the threshold rises
   for (const auto& sizes : runs) {
     const std::uint32_t stream = new_stream();
     RawPeer peer{m_listen};
@@ -552,9 +558,16 @@ TEST_F(HostileAsyncmsg, SmallMessagesBehindALargeOneAreDeliveredWithoutMoreBytes
     for (std::uint32_t seq = 0; seq < sizes.size(); ++seq) {
       append(all, make_frame(stream, seq, sizes[seq]));
     }
-    ASSERT_TRUE(peer.send_all(all));
+    // Part of the large body first: the server raises its threshold for the rest; then the
+    // rest and the small messages, then nothing more.
+    ASSERT_TRUE(peer.send_all(std::span{all}.first(GREETING_SIZE + HEADER_SIZE + FIRST)));
+    EXPECT_TRUE(netio3::test::eventually([&] { return server_wake_threshold(peer) > 1; }, PROMPT))
+        << "the server's SO_RCVLOWAT stayed " << server_wake_threshold(peer);
+    ASSERT_TRUE(peer.send_all(std::span{all}.subspan(GREETING_SIZE + HEADER_SIZE + FIRST)));
     EXPECT_TRUE(m_checker.wait_received(stream, sizes.size(), PROMPT))
         << m_checker.received(stream) << " of " << sizes.size() << " delivered" << m_logs.dump();
+    EXPECT_TRUE(netio3::test::eventually([&] { return server_wake_threshold(peer) == 1; }, PROMPT))
+        << "the server's SO_RCVLOWAT stayed " << server_wake_threshold(peer);
     EXPECT_TRUE(peer.open_now());
   }
   finish();

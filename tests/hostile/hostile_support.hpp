@@ -776,6 +776,17 @@ class HostileListener : public ::testing::Test {
     loop()->run_sync([] {});  // the callback that read the last bytes has returned
   }
 
+  // The server socket's SO_RCVLOWAT for `peer` (asyncmsg's wake threshold); -1 if none.
+  int server_wake_threshold(const RawPeer& peer) {
+    const int server_fd = server_socket_for(m_listen, peer.local());
+    int threshold = -1;
+    socklen_t len = sizeof threshold;
+    if (server_fd < 0 || ::getsockopt(server_fd, SOL_SOCKET, SO_RCVLOWAT, &threshold, &len) != 0) {
+      return -1;
+    }
+    return threshold;
+  }
+
   // The end of every test: the legitimate stream delivered everything intact and in order,
   // its connection survived, the listener still accepts and serves a new client, and every
   // descriptor the attack created is gone.

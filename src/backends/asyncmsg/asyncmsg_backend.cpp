@@ -594,11 +594,18 @@ void Backend::set_wake_threshold(Connection& conn) {
                          ? static_cast<int>(std::min(rest, WAKE_THRESHOLD_MAX))
                          : 1;
   if (wanted == conn.wake_threshold) return;
-  if (::setsockopt(conn.socket.native_handle(), SOL_SOCKET, SO_RCVLOWAT, &wanted, sizeof wanted) !=
-      0) {
-    // Never fatal: the loop is then woken as data come, as without the threshold.
-    NETIO3_DEBUG("asyncmsg: connection with {}: SO_RCVLOWAT {}: {}", conn.remote, wanted,
-                 detail::errno_text(errno));
+  const int fd = conn.socket.native_handle();
+  if (::setsockopt(fd, SOL_SOCKET, SO_RCVLOWAT, &wanted, sizeof wanted) != 0) {
+    // Raising it is an optimisation: without it the loop is woken as data come. Lowering it
+    // must not fail silently (the old threshold may ask for bytes that never come): it is
+    // tried again whenever the loop stops reading this connection.
+    if (wanted < conn.wake_threshold) {
+      NETIO3_WARN("asyncmsg: connection with {}: SO_RCVLOWAT {} failed: {}", conn.remote, wanted,
+                  detail::errno_text(errno));
+    } else {
+      NETIO3_DEBUG("asyncmsg: connection with {}: SO_RCVLOWAT {}: {}", conn.remote, wanted,
+                   detail::errno_text(errno));
+    }
     return;
   }
   conn.wake_threshold = wanted;
@@ -868,6 +875,12 @@ void Backend::flush(const std::shared_ptr<Connection>& conn,
 }
 
 void Backend::linger(Connection& conn) {
+  // The lingering socket waits for the peer's FIN reading whatever comes: every byte wakes it.
+  if (conn.wake_threshold > 1) {
+    const int one = 1;
+    (void)::setsockopt(conn.socket.native_handle(), SOL_SOCKET, SO_RCVLOWAT, &one, sizeof one);
+    conn.wake_threshold = 1;
+  }
   boost::system::error_code ec;
   const int fd = conn.socket.release(ec);
   if (ec) {
