@@ -154,7 +154,7 @@ def _die_with_parent():
 # scheduler, the two processes of a run sometimes share a CPU for a while (busy-polling ones
 # most), and a run then lands at about half the rate of the next: on the project's 2-CPU VM
 # libfabric 1 MiB zero-copy ran at 35-72 Gbit/s unpinned, 56-69 pinned (docs/benchmarks.md).
-PIN = {"client": None, "server": None}
+PIN = {"client": None, "server": None, "both": None}  # "both": one process, both ends
 
 
 def pin_cpus(enabled):
@@ -337,8 +337,7 @@ class Runner:
         log = self.logs / f"client-{name}.log"
         try:
             done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=timeout,
-                                  preexec_fn=_start_as(role) if role != "both" else
-                                  _die_with_parent)
+                                  preexec_fn=_start_as(role))
             output, rc = done.stdout + done.stderr, done.returncode
         except subprocess.TimeoutExpired as e:
             output = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) \
@@ -1025,13 +1024,16 @@ def ratio_rows(summaries, sizes, latency_sizes, rounds):
     # "buffered" (the window's pool buffers, 8 x 1 MiB, each in flight until sent) rotate
     # through the window as a producer with data fresh from memory does: information here,
     # judged against a memcpy of their working set in the same-host section.
+    def window_working_set(send, size):
+        return size == 1048576 and send in ("zero-copy", "buffered")
+
     for send in ("buffered", "copy", "zero-copy", "zero-copy same"):
         for size in sizes:
             if send == "zero-copy same" and size < SAME_HOST_W1_MIN:
                 continue
             specs.append((f"asyncmsg {send} / iperf3 bandwidth", size, f"asyncmsg {send}",
                           "throughput", "iperf3", "throughput", "bw",
-                          (">=", 0.9) if size == 1048576 and send in ("copy", "zero-copy same")
+                          (">=", 0.9) if size == 1048576 and not window_working_set(send, size)
                           else None))
     for send in ("copy", "buffered"):
         if 64 in sizes:
@@ -1046,9 +1048,7 @@ def ratio_rows(summaries, sizes, latency_sizes, rounds):
     def equal_ws_target(send, size):
         if send == "zero-copy same" and size < SAME_HOST_W1_MIN:
             return "skip"
-        if size == 1048576 and send in ("zero-copy", "buffered"):
-            return None  # the window's working set (above)
-        return ucx_target.get(size)
+        return None if window_working_set(send, size) else ucx_target.get(size)
 
     for send in ("buffered", "copy", "zero-copy", "zero-copy same"):
         for size in sizes:

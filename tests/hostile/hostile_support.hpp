@@ -765,11 +765,8 @@ class HostileListener : public ::testing::Test {
         [&] {
           int queued = 0;
           if (::ioctl(server_fd, SIOCINQ, &queued) != 0) return true;  // already closed
-          int threshold = 1;
-          socklen_t len = sizeof threshold;
-          if (::getsockopt(server_fd, SOL_SOCKET, SO_RCVLOWAT, &threshold, &len) != 0) {
-            return true;  // already closed
-          }
+          const int threshold = rcvlowat_of(server_fd);
+          if (threshold < 0) return true;  // already closed
           return peer.unacked() == 0 && (queued == 0 || queued < threshold);
         },
         PROMPT));
@@ -778,12 +775,14 @@ class HostileListener : public ::testing::Test {
 
   // The server socket's SO_RCVLOWAT for `peer` (asyncmsg's wake threshold); -1 if none.
   int server_wake_threshold(const RawPeer& peer) {
-    const int server_fd = server_socket_for(m_listen, peer.local());
+    return rcvlowat_of(server_socket_for(m_listen, peer.local()));
+  }
+
+  // A socket's SO_RCVLOWAT; -1 if there is no such socket.
+  static int rcvlowat_of(int fd) {
     int threshold = -1;
     socklen_t len = sizeof threshold;
-    if (server_fd < 0 || ::getsockopt(server_fd, SOL_SOCKET, SO_RCVLOWAT, &threshold, &len) != 0) {
-      return -1;
-    }
+    if (fd < 0 || ::getsockopt(fd, SOL_SOCKET, SO_RCVLOWAT, &threshold, &len) != 0) return -1;
     return threshold;
   }
 

@@ -594,8 +594,7 @@ void Backend::set_wake_threshold(Connection& conn) {
                          ? static_cast<int>(std::min(rest, WAKE_THRESHOLD_MAX))
                          : 1;
   if (wanted == conn.wake_threshold) return;
-  const int fd = conn.socket.native_handle();
-  if (::setsockopt(fd, SOL_SOCKET, SO_RCVLOWAT, &wanted, sizeof wanted) != 0) {
+  if (!apply_wake_threshold(conn, wanted)) {
     // Raising it is an optimisation: without it the loop is woken as data come. Lowering it
     // must not fail silently (the old threshold may ask for bytes that never come): it is
     // tried again whenever the loop stops reading this connection.
@@ -606,10 +605,15 @@ void Backend::set_wake_threshold(Connection& conn) {
       NETIO3_DEBUG("asyncmsg: connection with {}: SO_RCVLOWAT {}: {}", conn.remote, wanted,
                    detail::errno_text(errno));
     }
-    return;
   }
+}
+
+bool Backend::apply_wake_threshold(Connection& conn, int wanted) {
+  const int fd = conn.socket.native_handle();
+  if (::setsockopt(fd, SOL_SOCKET, SO_RCVLOWAT, &wanted, sizeof wanted) != 0) return false;
   conn.wake_threshold = wanted;
   conn.queued_at_tick = 0;
+  return true;
 }
 
 bool Backend::receiving(const Connection& conn) {
@@ -876,11 +880,7 @@ void Backend::flush(const std::shared_ptr<Connection>& conn,
 
 void Backend::linger(Connection& conn) {
   // The lingering socket waits for the peer's FIN reading whatever comes: every byte wakes it.
-  if (conn.wake_threshold > 1) {
-    const int one = 1;
-    (void)::setsockopt(conn.socket.native_handle(), SOL_SOCKET, SO_RCVLOWAT, &one, sizeof one);
-    conn.wake_threshold = 1;
-  }
+  if (conn.wake_threshold > 1) (void)apply_wake_threshold(conn, 1);
   boost::system::error_code ec;
   const int fd = conn.socket.release(ec);
   if (ec) {

@@ -326,6 +326,8 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
   // SO_RCVLOWAT for the decoder's state: the rest of a large body being read directly (up to
   // WAKE_THRESHOLD_MAX), 1 otherwise. Whenever the loop stops reading a connection.
   static void set_wake_threshold(Connection& conn);
+  // Sets SO_RCVLOWAT and records it; false (errno set) when the kernel refused it.
+  static bool apply_wake_threshold(Connection& conn, int wanted);
 
   // Returns true when no connection is waiting to be flushed.
   bool process_flush_list();
