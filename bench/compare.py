@@ -60,12 +60,37 @@ PYTHON = "/usr/bin/python3" if Path("/usr/bin/python3").exists() else sys.execut
 SHM_TLS = "posix,cma,self"
 # ... and against the reference with netio3's error handling: ucp_am_bw with peer error
 # handling (-e) over tcp and CMA, CMA's MEMORY_INVALIDATE on (what netio3 sets), and against a
-# single-threaded memcpy of the same working set (netio3-raw-memcpy). netio3's 1 MiB runs
+# single-threaded memcpy of the same working set (netio3-raw-memcpy: the sender's blocks into
+# one block, the receive buffer that netio3's receiver reuses). netio3's 1 MiB runs
 # twice: with the default window (a rotating set of buffers at both ends, as a producer whose
 # data come fresh from memory sees it) and with --window 1 (one buffer at each end, reused, as
 # ucx_perftest and iperf3 send).
 CMA_TLS = "tcp,cma"
 SAME_HOST_W1_MIN = 65536  # --window 1 rows for sizes from this up
+# Where the last-level cache holds the default window (8 x 1 MiB), "data fresh from memory" is
+# not what the default window measures: at this size netio3 runs once more with a window of
+# twice the last-level cache (the "beyond the cache" view), against a memcpy of that working
+# set. Information, next to the default window's row.
+BEYOND_CACHE_SIZE = 1048576
+
+
+def last_level_cache():
+    """Bytes of the largest CPU cache sysfs lists for CPU 0 (32 MiB when it lists none)."""
+    best = 0
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        m = re.fullmatch(r"(\d+)([KMG]?)", text)
+        if m:
+            best = max(best, int(m.group(1)) << {"": 0, "K": 10, "M": 20, "G": 30}[m.group(2)])
+    return best or 32 << 20
+
+
+def beyond_cache_window(size):
+    """netio3-perf's --window for the beyond-the-cache view: twice the last-level cache."""
+    return min(max(-(-2 * last_level_cache() // size), 16), 1024)
 # The fan-in section: one client process with N connections to one server process, every
 # backend next to its raw transport with the same N (iperf3 -P N, netio3-raw-fabric and
 # netio3-raw-ucx --connections N), buffered sends of one size. Every program there sleeps in the
@@ -419,7 +444,9 @@ class Runner:
         perf = self.bins["netio3-perf"]
         plan = ([(s, "throughput", n) for n in self.sizes for s in ("zero-copy", "buffered")] +
                 [(s, "throughput", n) for n in self.sizes if n >= SAME_HOST_W1_MIN
-                 for s in ("zero-copy w1", "zero-copy same")]
+                 for s in ("zero-copy w1", "zero-copy same")] +
+                [(f"zero-copy w{beyond_cache_window(n)}", "throughput", n) for n in self.sizes
+                 if n == BEYOND_CACHE_SIZE]
                 if rdma else self.netio3_plan(backend))
         why = None
         if not perf.exists():
@@ -660,11 +687,17 @@ class Runner:
             self.memcpy(size)
 
     def memcpy(self, size):
-        """netio3-raw-memcpy with one block (the references' working set) and with
-        netio3-perf's default window of blocks (its zero-copy slots and receive buffers)."""
+        """netio3-raw-memcpy with one block (the references' working set), from netio3-perf's
+        default window of blocks (its zero-copy slots) and, at BEYOND_CACHE_SIZE, from a window
+        of twice the last-level cache. The copies from a window go into one block: the UCX
+        backend fetches each message into the receive buffer released last, which
+        netio3-perf's server releases as soon as it has counted the message."""
         binary = self.bins["raw-memcpy"]
         window = min(max((2 << 20) // size, 8), 1024)  # netio3-perf's auto_window
-        for blocks, label in ((1, "memcpy ws1"), (window, "memcpy window")):
+        runs = [(1, "memcpy ws1"), (window, "memcpy window")]
+        if size == BEYOND_CACHE_SIZE:
+            runs.append((beyond_cache_window(size), "memcpy beyond cache"))
+        for blocks, label in runs:
             if not binary.exists():
                 self.add(failed(label, "same-host", "throughput", size,
                                 f"{rel(binary)} not built", status="missing"))
@@ -672,9 +705,9 @@ class Runner:
             try:
                 r = self.json_client(label, "same-host", f"memcpy-{size}-{blocks}",
                                      [binary, "--size", size, "--working-set", blocks * size,
-                                      "--duration", self.args.duration], self.env(),
-                                     "throughput", size)
-                r["note"] = f"working set {blocks} x {size_name(size)}"
+                                      "--target-set", size, "--duration", self.args.duration],
+                                     self.env(), "throughput", size)
+                r["note"] = f"working set {blocks} x {size_name(size)} into one block"
                 self.add(r)
             except RunError as e:
                 self.add(failed(label, "same-host", "throughput", size, str(e)))
@@ -1100,6 +1133,11 @@ def ratio_rows(summaries, sizes, latency_sizes, rounds):
         specs.append(("ucx-rdma zero-copy / memcpy window bandwidth", size, "ucx-rdma zero-copy",
                       "throughput", "memcpy window", "throughput", "bw",
                       (">=", 0.8) if size == 1048576 else None))
+        if size == BEYOND_CACHE_SIZE:
+            w = beyond_cache_window(size)
+            specs.append((f"ucx-rdma zero-copy w{w} / memcpy beyond cache bandwidth", size,
+                          f"ucx-rdma zero-copy w{w}", "throughput", "memcpy beyond cache",
+                          "throughput", "bw", None))
 
     # Python: the package's sender against netio3-perf's (both clients of one C++ server), and
     # the package against pyzmq's asyncio PUSH/PULL (both ends in one process each).

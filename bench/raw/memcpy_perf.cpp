@@ -1,16 +1,20 @@
 // netio3-raw-memcpy: the yardstick for moving large messages inside one host. One thread
-// copies blocks of --size bytes from a source working set into a destination working set of
-// the same size (--working-set bytes each), block after block, round and round, for
-// --duration seconds, the way a transport's receiver copies messages out of a sender's
-// rotating buffers into its own. With a working set of one block both stay in the caches
-// (what a reference that sends one buffer over and over measures); with many megabytes they
-// come from memory (what a producer whose data arrive fresh sees).
+// copies blocks of --size bytes from a source working set (--working-set bytes) into a
+// destination working set (--target-set bytes, the same as the source unless given), block
+// after block, round and round, for --duration seconds, the way a transport's receiver copies
+// messages out of a sender's rotating buffers into its own. With a working set of one block
+// both stay in the caches (what a reference that sends one buffer over and over measures);
+// with many megabytes they come from memory (what a producer whose data arrive fresh sees).
+// A destination of one block is a receiver that copies every message into the buffer it
+// released last (netio3's UCX backend in RDMA mode).
 //
-//   netio3-raw-memcpy [--size N] [--working-set BYTES] [--duration SECONDS] [--json FILE]
+//   netio3-raw-memcpy [--size N] [--working-set BYTES] [--target-set BYTES]
+//                     [--duration SECONDS] [--json FILE]
 //
 // Sizes take k and m suffixes (KiB, MiB). Prints one line; with --json also appends one JSON
 // record in netio3-perf's keys (tool "memcpy").
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -29,6 +33,7 @@ namespace {
 struct Options {
   std::size_t size{std::size_t{1} << 20U};
   std::size_t working_set{std::size_t{1} << 20U};
+  std::size_t target_set{0};  // 0: the same as working_set
   double duration{3.0};
   std::string json;
 };
@@ -36,7 +41,7 @@ struct Options {
 [[noreturn]] void usage(std::string_view why) {
   std::fprintf(stderr,
                "netio3-raw-memcpy: %.*s\nusage: netio3-raw-memcpy [--size N] [--working-set "
-               "BYTES] [--duration SECONDS] [--json FILE]\n",
+               "BYTES] [--target-set BYTES] [--duration SECONDS] [--json FILE]\n",
                static_cast<int>(why.size()), why.data());
   std::exit(2);  // NOLINT(concurrency-mt-unsafe): single-threaded
 }
@@ -62,10 +67,10 @@ Options parse(int argc, char** argv) {
     const std::string_view name = argv[i];
     if (i + 1 >= argc) usage(fmt::format("{} needs a value", name));
     const std::string_view value = argv[++i];
-    if (name == "--size" || name == "--working-set") {
+    if (name == "--size" || name == "--working-set" || name == "--target-set") {
       const auto n = parse_size(value);
       if (!n) usage(fmt::format("{} {}: not a size", name, value));
-      (name == "--size" ? o.size : o.working_set) = *n;
+      (name == "--size" ? o.size : name == "--working-set" ? o.working_set : o.target_set) = *n;
     } else if (name == "--duration") {
       char* end = nullptr;
       o.duration = std::strtod(argv[i], &end);
@@ -76,7 +81,9 @@ Options parse(int argc, char** argv) {
       usage(fmt::format("unknown option {}", name));
     }
   }
+  if (o.target_set == 0) o.target_set = o.working_set;
   if (o.working_set < o.size) usage("--working-set: at least one block of --size bytes");
+  if (o.target_set < o.size) usage("--target-set: at least one block of --size bytes");
   return o;
 }
 
@@ -102,24 +109,27 @@ std::unique_ptr<std::uint8_t[], AlignedFree> allocate(std::size_t bytes) {
 int main(int argc, char** argv) {
   const Options o = parse(argc, argv);
   const std::size_t blocks = o.working_set / o.size;
+  const std::size_t targets = o.target_set / o.size;
   const auto source = allocate(blocks * o.size);
-  const auto target = allocate(blocks * o.size);
+  const auto target = allocate(targets * o.size);
   using Clock = std::chrono::steady_clock;
-  // One round through the working set before the clock starts (caches as in steady state).
-  for (std::size_t b = 0; b < blocks; ++b) {
-    std::memcpy(target.get() + b * o.size, source.get() + b * o.size, o.size);
+  // One round through both working sets before the clock starts (caches as in steady state).
+  for (std::size_t b = 0; b < std::max(blocks, targets); ++b) {
+    std::memcpy(target.get() + b % targets * o.size, source.get() + b % blocks * o.size, o.size);
   }
   const double cpu0 = cpu_seconds();
   const auto start = Clock::now();
   const auto end = start + std::chrono::duration<double>(o.duration);
   std::uint64_t copies = 0;
-  std::size_t b = 0;
+  std::size_t b = 0;  // source block
+  std::size_t t = 0;  // target block
   auto now = start;
   while (now < end) {
     // 16 copies between clock reads.
     for (int i = 0; i < 16; ++i) {
-      std::memcpy(target.get() + b * o.size, source.get() + b * o.size, o.size);
+      std::memcpy(target.get() + t * o.size, source.get() + b * o.size, o.size);
       b = b + 1 == blocks ? 0 : b + 1;
+      t = t + 1 == targets ? 0 : t + 1;
     }
     copies += 16;
     now = Clock::now();
@@ -127,13 +137,13 @@ int main(int argc, char** argv) {
   const double seconds = std::chrono::duration<double>(now - start).count();
   const double cpu = cpu_seconds() - cpu0;
   // Something the compiler must keep: the last byte copied.
-  const unsigned check = target[(b == 0 ? blocks : b) * o.size - 1];
+  const unsigned check = target[(t == 0 ? targets : t) * o.size - 1];
   const double per_s = static_cast<double>(copies) / seconds;
   const double bytes_per_s = per_s * static_cast<double>(o.size);
   std::printf(
-      "memcpy %zu B blocks, working set %zu B (%zu blocks): %.0f copies/s, %.2f GB/s, "
-      "%.0f ns CPU per copy (check %u)\n",
-      o.size, blocks * o.size, blocks, per_s, bytes_per_s / 1e9,
+      "memcpy %zu B blocks, working set %zu B (%zu blocks) into %zu B (%zu blocks): %.0f "
+      "copies/s, %.2f GB/s, %.0f ns CPU per copy (check %u)\n",
+      o.size, blocks * o.size, blocks, targets * o.size, targets, per_s, bytes_per_s / 1e9,
       cpu / static_cast<double>(copies) * 1e9, check);
   if (!o.json.empty()) {
     std::FILE* f = std::fopen(o.json.c_str(), "a");
@@ -143,12 +153,13 @@ int main(int argc, char** argv) {
     }
     const std::string line = fmt::format(
         R"({{"tool":"memcpy","backend":"memory","mode":"","send":"memcpy","test":"throughput",)"
-        R"("size":{},"connections":1,"threads":1,"working_set":{},"duration_s":{},"messages":{},)"
+        R"("size":{},"connections":1,"threads":1,"working_set":{},"target_set":{},"duration_s":{},)"
+        R"("messages":{},)"
         R"("bytes":{},"msgs_per_s":{},"bytes_per_s":{},"gbit_per_s":{},"cpu_ns_per_msg":{},)"
         R"("p50_us":null,"p99_us":null,"p999_us":null,"intact":true,"error":""}})"
         "\n",
-        o.size, blocks * o.size, seconds, copies, copies * o.size, per_s, bytes_per_s,
-        bytes_per_s * 8 / 1e9, cpu / static_cast<double>(copies) * 1e9);
+        o.size, blocks * o.size, targets * o.size, seconds, copies, copies * o.size, per_s,
+        bytes_per_s, bytes_per_s * 8 / 1e9, cpu / static_cast<double>(copies) * 1e9);
     std::fputs(line.c_str(), f);
     std::fclose(f);
   }
