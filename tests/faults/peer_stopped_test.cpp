@@ -37,13 +37,10 @@ constexpr std::uint64_t PRESSURE = 20000;
 // copy into per-send memory that counts against max_unsent_bytes.
 constexpr std::size_t STAGING = std::size_t{32} * (256U << 10U);
 // Allocator slack, UCX and libfabric internals touched for the first time, page tables.
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-// ASan keeps freed memory in quarantine (256 MiB by default); both sanitizers' shadow memory
-// grows with what the process touches (measured growth: ~11 MiB under both, ~2 MiB without).
-constexpr std::size_t MARGIN = std::size_t{64} << 20U;
-#else
-constexpr std::size_t MARGIN = std::size_t{16} << 20U;
-#endif
+// Under a sanitizer more: ASan keeps freed memory in quarantine (256 MiB by default); both
+// sanitizers' shadow memory grows with what the process touches (measured growth: ~11 MiB
+// under both, ~2 MiB without).
+constexpr std::size_t MARGIN = std::size_t{test::SANITIZED ? 64 : 16} << 20U;
 
 class PeerStopped : public ::testing::TestWithParam<std::tuple<BackendType, SendMode>> {
  protected:

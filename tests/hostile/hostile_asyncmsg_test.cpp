@@ -353,13 +353,8 @@ TEST_F(HostileAsyncmsg, DeclaredHugeMessageKeepsMemoryBounded) {
   // Declared: 240 MB. Received: 5 MB (each body grows to 2 MiB). Anything near one declared
   // message is a failure. Under a sanitizer, freed blocks stay resident for a while (ASan's
   // quarantine: 36 MB of RSS and 40 MB of VmData seen in CI, with the legitimate stream's).
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-  constexpr std::size_t RSS_BOUND = std::size_t{64} << 20U;
-  constexpr std::size_t VM_BOUND = std::size_t{128} << 20U;
-#else
-  constexpr std::size_t RSS_BOUND = std::size_t{24} << 20U;
-  constexpr std::size_t VM_BOUND = std::size_t{64} << 20U;
-#endif
+  constexpr std::size_t RSS_BOUND = std::size_t{netio3::test::SANITIZED ? 64 : 24} << 20U;
+  constexpr std::size_t VM_BOUND = std::size_t{netio3::test::SANITIZED ? 128 : 64} << 20U;
   EXPECT_LT(rss_growth, RSS_BOUND);
   // Untouched allocations do not show in RSS: the declared sizes must not even be
   // reserved (4 x 60 MB would be 240 MB here).

@@ -130,9 +130,9 @@ TEST(DISABLED_ChurnClient, Cycles) {
       << " after:" << describe_fds();
   const double growth_mib =
       (static_cast<double>(test::rss_bytes()) - static_cast<double>(rss)) / (1024.0 * 1024.0);
-#if !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
-  EXPECT_LT(growth_mib, 8.0) << "client RSS grew by " << growth_mib << " MiB";
-#endif
+  if constexpr (!test::SANITIZED) {
+    EXPECT_LT(growth_mib, 8.0) << "client RSS grew by " << growth_mib << " MiB";
+  }
   std::printf("CLIENT %zu cycles in %.2f s (%.2f ms each), fds %zu -> %zu, RSS %+.2f MiB\n", CYCLES,
               seconds, 1000.0 * seconds / CYCLES, fds, test::open_fd_count(), growth_mib);
 }
@@ -181,9 +181,9 @@ TEST_P(Churn, ThousandConnectCloseCyclesReturnToBaseline) {
   const double growth_mib =
       (static_cast<double>(test::rss_bytes()) - static_cast<double>(rss.load())) /
       (1024.0 * 1024.0);
-#if !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
-  EXPECT_LT(growth_mib, 8.0) << "server RSS grew by " << growth_mib << " MiB";
-#endif
+  if constexpr (!test::SANITIZED) {
+    EXPECT_LT(growth_mib, 8.0) << "server RSS grew by " << growth_mib << " MiB";
+  }
   const auto line = client.out().find("CLIENT ");
   std::printf("[ measure  ] %s: %s; server fds %zu -> %zu, RSS %+.2f MiB\n",
               std::string{to_string(GetParam())}.c_str(),

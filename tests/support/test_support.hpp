@@ -25,6 +25,14 @@ using namespace std::chrono_literals;
 // waits this long; only a broken one does.
 inline constexpr std::chrono::milliseconds DEFAULT_TIMEOUT = 30s;
 
+// Built with ASan or TSan. Memory bounds differ there: ASan keeps freed blocks in quarantine,
+// and both sanitizers' shadow memory grows with what the process touches.
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+inline constexpr bool SANITIZED = true;
+#else
+inline constexpr bool SANITIZED = false;
+#endif
+
 // The local IP address tests listen on and connect to: NETIO3_TEST_ADDRESS, default
 // 127.0.0.1 (on a verbs host, the address of an RDMA-capable interface).
 [[nodiscard]] const std::string& test_address();
