@@ -170,6 +170,10 @@ class Domain {
   // Counts complete drains of the completion queue (read until empty); see the retirement
   // of closed connections in the backend.
   std::uint64_t drains{0};
+  // Connections whose peer shut down (FI_SHUTDOWN), closed at the next complete drain of the
+  // completion queue: what they received before the end of stream is in the queue ahead of
+  // that point and is delivered first (loop thread only).
+  std::vector<std::uint64_t> peer_shutdowns;
   // Wake-ups of the loop by this domain's wait fds with nothing behind them, in a row.
   std::uint64_t spurious_wakeups{0};
   // Out of descriptors (loop thread): the event queue is left out of the loop while

@@ -340,6 +340,9 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
   std::size_t drain_eq(Domain& domain);
 
   std::size_t drain_cq(Domain& domain);
+  // Closes the connections whose peer shut down (Domain::peer_shutdowns): called once the
+  // completion queue was read empty, so that everything they received was delivered.
+  void close_shut_down_peers(Domain& domain);
 
   void on_completion(const Domain& domain, const fi_cq_data_entry& entry);
 

@@ -92,6 +92,12 @@ bool Backend::may_sleep() {
   for (std::size_t i = 0; i < domains.size(); ++i) {
     Domain* d = domains[i];
     // A paused event queue is not asked: its listening socket stays readable.
+    if (!d->peer_shutdowns.empty()) {  // closes wait for a drain to the end of the queue
+      sleep = false;
+      (void)drain_cq(*d);
+      if (shut_down()) return true;
+      continue;
+    }
     std::array<fid*, 2> fids{&d->cq()->fid, &d->eq()->fid};
     const int count = d->eq_paused ? 1 : 2;
     if (fi_trywait(d->fabric(), fids.data(), count) != FI_SUCCESS) {
@@ -237,6 +243,8 @@ std::size_t Backend::drain_cq(Domain& domain) {
     const ssize_t n = fi_cq_read(domain.cq(), entries.data(), entries.size());
     if (n == -FI_EAGAIN) {
       ++domain.drains;
+      close_shut_down_peers(domain);
+      if (shut_down()) return handled;
       release_retired(domain);
       return handled;
     }
@@ -258,6 +266,16 @@ std::size_t Backend::drain_cq(Domain& domain) {
     }
   }
   return handled;
+}
+
+void Backend::close_shut_down_peers(Domain& domain) {
+  if (domain.peer_shutdowns.empty()) return;
+  const std::vector<std::uint64_t> ids = std::exchange(domain.peer_shutdowns, {});
+  for (const std::uint64_t id : ids) {
+    if (auto conn = m_registry.by_id(id))
+      close(conn, "peer closed the connection", CloseCause::PEER);
+    if (shut_down()) return;
+  }
 }
 
 void Backend::on_completion(const Domain& domain, const fi_cq_data_entry& entry) {
@@ -468,11 +486,10 @@ void Backend::on_cm_event(Domain& domain, std::uint32_t event, const fi_eq_cm_en
       // event queue first: deliver those messages before the close discards the receives.
       // The id first: the drain may close the connection (a send failed) and free its
       // endpoint, which entry.fid points to.
-      const std::uint64_t id = id_of(entry.fid);
+      // A bounded drain may stop with the connection's last messages still queued (several
+      // peers streaming at once): the close waits for a drain that read the queue empty.
+      domain.peer_shutdowns.push_back(id_of(entry.fid));
       (void)drain_cq(domain);
-      if (shut_down()) return;
-      if (auto conn = m_registry.by_id(id))
-        close(conn, "peer closed the connection", CloseCause::PEER);
       break;
     }
     default:
