@@ -184,6 +184,10 @@ case "$cmd" in
       echo "clang-tidy: $(grep -cE '(warning|error): ' "$tidy_log") finding(s)" >&2
       exit 1
     fi
+    # DIR was configured before Doxygen was installed (CI's clang++ stage runs first on a
+    # fresh machine), and the docs target exists only where Doxygen was found: configure
+    # again, which looks for it anew.
+    cmake "$dir" >/dev/null
     cmake --build "$dir" --target docs
     ;;
   package)
