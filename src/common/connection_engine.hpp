@@ -161,7 +161,9 @@ class ConnectionEngine {
   // Causes no callback: the thread-model check only (no ApiCall).
   NetworkBuffer* get_buffer(const EndPointAddress& address) {
     m_thread.check_caller("get_buffer");
-    const auto conn = m_registry.get(address, "get_buffer");
+    bool ended = false;
+    const auto conn = m_registry.get(address, "get_buffer", &ended);
+    if (ended) return nullptr;  // not reported yet: its sends are FAILED
     NetworkBuffer* buffer = acquire_send_buffer(*conn, m_name);
     if (buffer == nullptr && m_wants_ready) send_refused(conn, ConnectionBase::WAIT_BUFFER);
     return buffer;
@@ -494,7 +496,8 @@ class ConnectionEngine {
     }
     {
       const auto held = m_registry.lock();
-      m_registry.remove(held, conn);
+      // An open connection's sends are FAILED until its closed callback has returned.
+      m_registry.remove(held, conn, previous == Phase::OPEN && report);
     }
     derived().close_transport(conn);
     finish(conn);
@@ -559,17 +562,20 @@ class ConnectionEngine {
         conn->send_pool != conn->own_send_pool.get()) {
       post_buffer_wake(conn->send_pool);
     }
-    if (!conn->ending_info.report) return true;
+    if (!conn->ending_info.report) {
+      forget_reported(conn);
+      return true;
+    }
     if (m_api_depth > 0) {
       // Caused by an API call on the loop thread: reported after it has returned.
       std::weak_ptr<Derived> weak = derived().weak_from_this();
       m_loop->post([weak, conn, keys = std::move(keys)] {
         auto self = weak.lock();
-        if (self && !self->shut_down()) self->report_end(*conn, keys);
+        if (self && !self->shut_down()) self->report_end(conn, keys);
       });
       return true;
     }
-    report_end(*conn, keys);
+    report_end(conn, keys);
     return !shut_down();
   }
 
@@ -796,12 +802,20 @@ class ConnectionEngine {
     }
   }
 
+  // Sends to the address of a connection that ended by itself are FAILED until its end is
+  // reported, and throw UnknownActiveEndpoint afterwards (EndpointRegistry::get()).
+  void forget_reported(const std::shared_ptr<Conn>& conn) {
+    const auto held = m_registry.lock();
+    m_registry.reported(held, conn);
+  }
+
   // The one callback that applies (docs/semantics.md):
   //  - it had been open: on_connection_closed_cb with the cancelled keys;
   //  - an active endpoint never open: on_connection_closed_cb (no keys) when the application
   //    closed it, on_connection_refused_cb otherwise;
   //  - an accepted connection never open: no callback, a debug line.
-  void report_end(const Conn& conn, const std::vector<std::uint64_t>& keys) const {
+  void report_end(const std::shared_ptr<Conn>& ended, const std::vector<std::uint64_t>& keys) {
+    const Conn& conn = *ended;
     const auto& info = conn.ending_info;
     if (info.was_open || (conn.active() && info.cause == CloseCause::LOCAL)) {
       m_notifier.closed(conn.remote, keys, info.reason);
@@ -811,6 +825,8 @@ class ConnectionEngine {
       NETIO3_DEBUG("{}: dropped incoming connection from {} before it was established: {}", m_name,
                    conn.remote, info.reason);
     }
+    // Inside the callback a send still reads FAILED; after it, the address is unknown.
+    if (!shut_down()) forget_reported(ended);
   }
 
   std::string_view m_name;

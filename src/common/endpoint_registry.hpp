@@ -172,11 +172,20 @@ class EndpointRegistry {
     return it->second;
   }
 
-  // The connection with `address`; throws InvalidEndpointAddress or UnknownActiveEndpoint.
-  [[nodiscard]] std::shared_ptr<Conn> get(const EndPointAddress& address, std::string_view api) {
+  // The connection with `address` for a send: a registered one, else one that ended without
+  // the application closing it and whose end was not reported yet (its sends are FAILED, as
+  // the application cannot know yet that it ended). Throws InvalidEndpointAddress or
+  // UnknownActiveEndpoint.
+  // `ended`, if given, tells which of the two it is.
+  [[nodiscard]] std::shared_ptr<Conn> get(const EndPointAddress& address, std::string_view api,
+                                          bool* ended = nullptr) {
     {
       const Lock held = lock();
       if (auto conn = find(held, address)) return conn;
+      if (const auto it = m_unreported.find(address); it != m_unreported.end()) {
+        if (ended != nullptr) *ended = true;
+        return it->second;
+      }
     }
     check_address(address, api);
     throw UnknownActiveEndpoint(
@@ -211,10 +220,15 @@ class EndpointRegistry {
   // For close_active_endpoint: removes the connection at once (its address can be opened
   // again), marks it close-requested and keeps it until remove(). Throws
   // InvalidEndpointAddress / UnknownActiveEndpoint.
+  // A connection that ended by itself and was not reported yet is returned as it is (its
+  // close has begun; it reports its end once).
   [[nodiscard]] std::shared_ptr<Conn> take_for_close(const Lock& /*held*/,
                                                      const EndPointAddress& address) {
     const auto it = m_connections.find(address);
     if (it == m_connections.end()) {
+      if (const auto ended = m_unreported.find(address); ended != m_unreported.end()) {
+        return ended->second;
+      }
       check_address(address, "close_active_endpoint");
       throw UnknownActiveEndpoint(
           fmt::format("{}: close_active_endpoint: no connection with {}", m_backend, address));
@@ -227,12 +241,25 @@ class EndpointRegistry {
     return conn;
   }
 
-  // The loop finished closing `conn`: forget it.
-  void remove(const Lock& /*held*/, const std::shared_ptr<Conn>& conn) {
+  // The loop began closing `conn`: it leaves the tables. With `until_reported`, one that
+  // ended without the application closing it stays findable for sends (get()) until
+  // reported().
+  void remove(const Lock& /*held*/, const std::shared_ptr<Conn>& conn, bool until_reported) {
     const auto it = m_connections.find(conn->remote);
-    if (it != m_connections.end() && it->second == conn) m_connections.erase(it);
+    if (it != m_connections.end() && it->second == conn) {
+      m_connections.erase(it);
+      if (until_reported && !conn->close_requested.load()) {
+        m_unreported.insert_or_assign(conn->remote, conn);
+      }
+    }
     forget_last(conn);
     std::erase(m_closing, conn);
+  }
+
+  // The end of `conn` was reported (or will never be): sends to its address throw from now on.
+  void reported(const Lock& /*held*/, const std::shared_ptr<Conn>& conn) {
+    const auto it = m_unreported.find(conn->remote);
+    if (it != m_unreported.end() && it->second == conn) m_unreported.erase(it);
   }
 
   // Everything, for the backend's shutdown; the registry is empty afterwards.
@@ -245,9 +272,11 @@ class EndpointRegistry {
     for (auto& [address, listener] : m_listeners) all.listeners.push_back(std::move(listener));
     for (auto& [address, conn] : m_connections) all.connections.push_back(std::move(conn));
     for (auto& conn : m_closing) all.connections.push_back(std::move(conn));
+    // Those in m_unreported are closing: the engine's list of ending connections has them.
     m_listeners.clear();
     m_connections.clear();
     m_closing.clear();
+    m_unreported.clear();
     m_last.reset();
     return all;
   }
@@ -271,6 +300,8 @@ class EndpointRegistry {
   std::unordered_map<EndPointAddress, std::shared_ptr<Conn>> m_connections;
   mutable std::shared_ptr<Conn> m_last;  // under m_mutex: the connection find() found last
   std::vector<std::shared_ptr<Conn>> m_closing;
+  // Ended by the peer or an error, by remote address, until their end was reported.
+  std::unordered_map<EndPointAddress, std::shared_ptr<Conn>> m_unreported;
   OptionalMutex m_index_mutex;
   std::unordered_map<std::uint64_t, std::weak_ptr<Conn>> m_by_id;
   std::unordered_map<std::uint64_t, std::weak_ptr<Listener>> m_listeners_by_id;

@@ -5,11 +5,13 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <condition_variable>
 #include <cstdio>
 #include <cstring>
 #include <functional>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <string>
 #include <thread>
@@ -305,6 +307,9 @@ TEST_P(Lifecycle, PeerCloseReachesBothSidesAndTheAddressCanBeReused) {
       [&](const Recorder& r) { return r.count(Kind::CLOSED, *server_side) == 1; }));
   ASSERT_TRUE(
       client->rec.wait([&](const Recorder& r) { return r.count(Kind::CLOSED, listen) == 1; }));
+  // Once the closed callback has returned, the address is unknown (inside it, sends are
+  // FAILED).
+  client->loop.loop()->run_sync([] {});
   EXPECT_THROW(client->call([&] { return client->backend->get_buffer(listen); }),
                UnknownActiveEndpoint);
   // Reconnect to the same listener.
@@ -315,6 +320,83 @@ TEST_P(Lifecycle, PeerCloseReachesBothSidesAndTheAddressCanBeReused) {
             NetioStatus::OK);
   ASSERT_TRUE(server->rec.wait([&](const Recorder& r) { return r.count(Kind::DATA) == 1; }));
   EXPECT_EQ(server->rec.messages_snapshot().at(0), test::pattern(7, 100));
+}
+
+// The guide's sending loop sends from its completion callback and has no try/catch: once the
+// peer closed the connection, a send made before the closed callback has run - from a
+// completion of the stream, or from the closed callback itself - returns FAILED (or no
+// buffer), never throws; after the closed callback the address is unknown.
+TEST_P(Lifecycle, SendsAfterThePeerClosedAreFailedUntilTheClosedCallbackReturned) {
+  auto server = make_node();
+  auto client = make_node();
+  const auto listen = listen_on(*server);
+  connect(*client, listen);
+  auto server_side = wait_connected(*client, *server, listen);
+  ASSERT_TRUE(server_side.has_value());
+  constexpr std::size_t SIZE = 512;
+  constexpr std::uint64_t LAST = 1500;  // the region holds 2048 messages of SIZE
+  std::mutex mutex;
+  std::condition_variable done;
+  std::vector<std::uint64_t> accepted;      // under mutex
+  std::vector<std::string> thrown;          // what a send inside a callback threw
+  std::optional<NetioStatus> in_closed_cb;  // the send inside the closed callback
+  bool hook_returned = false;
+  std::uint64_t next = 0;  // loop thread (the hook) or the test thread before the stream
+  const auto send_next = [&] {
+    const std::lock_guard lock{mutex};
+    try {
+      if (next < LAST && try_send(*client, listen, next, SIZE, accepted) == NetioStatus::OK) {
+        ++next;
+      }
+    } catch (const std::exception& e) {
+      thrown.emplace_back(e.what());
+    }
+  };
+  client->rec.set_hook([&](const Recorder::Event& e, std::span<const std::uint8_t>) {
+    if (e.remote != listen) return;
+    if (e.kind == Kind::COMPLETED) send_next();
+    if (e.kind != Kind::CLOSED) return;
+    const std::lock_guard lock{mutex};
+    try {
+      const auto status = try_send(*client, listen, LAST + 1, SIZE, accepted);
+      in_closed_cb = status;
+    } catch (const std::exception& error) {
+      thrown.emplace_back(error.what());
+    }
+    hook_returned = true;
+    done.notify_all();
+  });
+  // The server closes after a few messages; the client keeps sending from its completions.
+  server->rec.set_hook(
+      [&, closed = false](const Recorder::Event& e, std::span<const std::uint8_t>) mutable {
+        if (e.kind == Kind::DATA && server->rec.count_now(Kind::DATA) >= 20 &&
+            !std::exchange(closed, true)) {
+          server->backend->close_active_endpoint(*server_side);
+        }
+      });
+  // On the loop thread, as the rest of the stream: a send from another thread after the
+  // closed callback would rightly throw.
+  client->loop.loop()->run_sync([&] {
+    for (int i = 0; i < 8; ++i) send_next();
+  });
+  {
+    std::unique_lock lock{mutex};
+    ASSERT_TRUE(done.wait_for(lock, test::DEFAULT_TIMEOUT, [&] { return hook_returned; }));
+    EXPECT_TRUE(thrown.empty()) << "a send inside a callback threw: " << thrown.front();
+    ASSERT_TRUE(in_closed_cb.has_value());
+    // Buffered sends find no buffer (get_buffer returns none); the others are FAILED.
+    EXPECT_EQ(*in_closed_cb, GetParam().mode == SendMode::BUFFERED ? NetioStatus::NO_RESOURCES
+                                                                   : NetioStatus::FAILED);
+  }
+  client->rec.set_hook({});
+  client->loop.loop()->run_sync([] {});  // the closed callback has returned
+  EXPECT_THROW(client->call([&] {
+    std::uint8_t byte = 0;
+    return client->backend->send_data(listen, std::span{&byte, 1}, {}, 0);
+  }),
+               UnknownActiveEndpoint);
+  const std::lock_guard lock{mutex};
+  expect_ledger_balanced(client->rec.snapshot(), listen, accepted);
 }
 
 TEST_P(Lifecycle, ClosingTheListenerClosesEveryConnectionItSpawned) {

@@ -88,7 +88,7 @@ TEST(EndpointRegistry, RemovedAndListenerChildConnectionsAreNotFound) {
   ASSERT_EQ(registry.get(A, "test"), a);
   {
     const auto held = registry.lock();
-    registry.remove(held, a);
+    registry.remove(held, a, false);
   }
   EXPECT_THROW((void)registry.get(A, "test"), UnknownActiveEndpoint);
 
@@ -103,6 +103,45 @@ TEST(EndpointRegistry, RemovedAndListenerChildConnectionsAreNotFound) {
     const auto held = registry.lock();
     const auto [listener, children] = registry.take_listener(held, listen);
     ASSERT_EQ(children.size(), 1U);
+  }
+  EXPECT_THROW((void)registry.get(B, "test"), UnknownActiveEndpoint);
+}
+
+// An open connection that ended by itself stays findable for sends (its sends are FAILED)
+// until its end was reported; one the application closed is gone at once.
+TEST(EndpointRegistry, AConnectionThatEndedByItselfIsFoundForSendsUntilReported) {
+  Registry registry{"test", true};
+  const auto a = add(registry, 1, A);
+  {
+    const auto held = registry.lock();
+    registry.remove(held, a, true);
+    EXPECT_EQ(registry.find(held, A), nullptr);  // not for a new connection's checks
+  }
+  bool ended = false;
+  EXPECT_EQ(registry.get(A, "test", &ended), a);
+  EXPECT_TRUE(ended);
+  // Closing it meanwhile is no error: it is closing already.
+  {
+    const auto held = registry.lock();
+    EXPECT_EQ(registry.take_for_close(held, A), a);
+  }
+  // A new connection from the same address is found first.
+  const auto b = add(registry, 2, A);
+  ended = false;
+  EXPECT_EQ(registry.get(A, "test", &ended), b);
+  EXPECT_FALSE(ended);
+  {
+    const auto held = registry.lock();
+    registry.remove(held, b, false);
+    registry.reported(held, a);
+  }
+  EXPECT_THROW((void)registry.get(A, "test"), UnknownActiveEndpoint);
+
+  const auto c = add(registry, 3, B);
+  c->close_requested.store(true);  // the application closed it
+  {
+    const auto held = registry.lock();
+    registry.remove(held, c, true);
   }
   EXPECT_THROW((void)registry.get(B, "test"), UnknownActiveEndpoint);
 }
