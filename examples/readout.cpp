@@ -8,7 +8,7 @@
 //
 // Run: example_readout --port PORT [--backend asyncmsg] [--mode tcp] [--ip 127.0.0.1]
 //                      [--fragments 10000] [--seconds 0] [--size 4096]
-//                      [--send zero-copy|buffered] [--slots 16]
+//                      [--send zero-copy|buffered] [--slots 64]
 // --seconds N sends for N seconds instead of --fragments. Prints, when the connection closed,
 // "sent S, completed C, cancelled X" and the rate. Exit status 0 if the connection was made
 // and every send completed (none cancelled), 1 otherwise.
@@ -50,7 +50,7 @@ int main(int argc, char** argv) {
                                                 {"seconds", "0"},
                                                 {"size", "4096"},
                                                 {"send", "zero-copy"},
-                                                {"slots", "16"}});
+                                                {"slots", "64"}});
   if (!options) return 2;
   const auto type = options->backend();
   const auto mode = parse_network_mode(options->str("mode"));

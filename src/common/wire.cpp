@@ -9,9 +9,6 @@ namespace {
 // A partial body keeps at least this much room so that small messages split across two
 // reads do not reallocate byte by byte.
 constexpr std::size_t MIN_BODY_CAP = 4096;
-// A body buffer larger than this is freed after its message was delivered, so an idle
-// connection holds no receive memory.
-constexpr std::size_t KEEP_BODY_CAP = std::size_t{64} * 1024;
 // Step by which a direct read may extend a partial message beyond what arrived so far.
 constexpr std::size_t DIRECT_STEP = std::size_t{1} << 20U;
 // A major version of another netio3 protocol: the peer is a backend of another type.
@@ -110,22 +107,84 @@ bool FrameDecoder::parse_header(const std::uint8_t* p, std::size_t& length) {
   return true;
 }
 
+BodyCache::BodyCache(std::size_t max_blocks, std::size_t max_bytes)
+    : m_max_blocks{max_blocks}, m_max_bytes{max_bytes} {
+  m_free.reserve(max_blocks);  // give() never allocates
+}
+
+std::unique_ptr<std::uint8_t[]> BodyCache::take(std::size_t size, std::size_t& capacity) {
+  {
+    const std::lock_guard lock{m_mutex};
+    // The smallest kept block that fits and wastes at most half of itself.
+    auto best = m_free.end();
+    for (auto it = m_free.begin(); it != m_free.end(); ++it) {
+      if (it->capacity >= size && it->capacity / 2 <= size &&
+          (best == m_free.end() || it->capacity < best->capacity)) {
+        best = it;
+      }
+    }
+    if (best != m_free.end()) {
+      capacity = best->capacity;
+      auto block = std::move(best->data);
+      m_bytes -= capacity;
+      m_free.erase(best);
+      return block;
+    }
+  }
+  capacity = size;
+  return std::make_unique_for_overwrite<std::uint8_t[]>(size);
+}
+
+void BodyCache::give(std::unique_ptr<std::uint8_t[]> block, std::size_t capacity) noexcept {
+  if (!block || capacity > m_max_bytes || m_max_blocks == 0) return;  // freed here
+  std::vector<Block> dropped;                                         // freed after the lock
+  const std::lock_guard lock{m_mutex};
+  while (!m_free.empty() && (m_free.size() >= m_max_blocks || m_bytes + capacity > m_max_bytes)) {
+    m_bytes -= m_free.front().capacity;
+    m_free.erase(m_free.begin());  // the oldest: its memory is the least likely in cache
+  }
+  m_free.push_back(Block{std::move(block), capacity});
+  m_bytes += capacity;
+}
+
+std::size_t BodyCache::cached_bytes() const {
+  const std::lock_guard lock{m_mutex};
+  return m_bytes;
+}
+
+std::size_t BodyCache::cached_blocks() const {
+  const std::lock_guard lock{m_mutex};
+  return m_free.size();
+}
+
 void FrameDecoder::grow_body(std::size_t wanted) {
   if (wanted <= m_body_cap) return;
   // Grow geometrically but never past the (already validated) message length.
   const std::size_t cap = std::min(m_body_len, std::max({wanted, m_body_cap * 2, MIN_BODY_CAP}));
-  auto next = std::make_unique_for_overwrite<std::uint8_t[]>(cap);
+  if (cap <= m_block_cap) {  // a kept block larger than the part used so far
+    m_body_cap = cap;
+    return;
+  }
+  std::size_t block_cap = cap;
+  auto next = m_cache && cap > KEEP_BODY_CAP ? m_cache->take(cap, block_cap)
+                                             : std::make_unique_for_overwrite<std::uint8_t[]>(cap);
   if (m_body_have > 0) std::memcpy(next.get(), m_body.get(), m_body_have);
-  m_body = std::move(next);
+  auto previous = std::exchange(m_body, std::move(next));
+  if (m_cache && m_block_cap > KEEP_BODY_CAP) m_cache->give(std::move(previous), m_block_cap);
   m_body_cap = cap;
+  m_block_cap = block_cap;
 }
 
 void FrameDecoder::release_body() noexcept {
   m_body_have = 0;
   m_body_len = 0;
-  if (m_body_cap > KEEP_BODY_CAP) {
+  if (m_block_cap > KEEP_BODY_CAP) {
+    if (m_cache) m_cache->give(std::move(m_body), m_block_cap);
     m_body.reset();
     m_body_cap = 0;
+    m_block_cap = 0;
+  } else {
+    m_body_cap = 0;  // the block stays; grow_body() hands out of it what a message needs
   }
 }
 

@@ -85,7 +85,7 @@ void Backend::open_active_endpoint(const EndPointAddress& address,
   const ApiCall call = open_call(address, params, false);
   const auto held = m_registry.lock();
   m_registry.check_connection_free(held, address);
-  auto conn = std::make_shared<Connection>(next_id(), m_io, m_chunks, address, params, 0,
+  auto conn = std::make_shared<Connection>(next_id(), m_io, m_chunks, m_bodies, address, params, 0,
                                            Phase::CONNECTING);
   attach_send_pool(*conn);
   int err = 0;
@@ -246,8 +246,8 @@ void Backend::accept_one(const std::shared_ptr<Listener>& listener, tcp::socket 
     return;
   }
   EndPointAddress remote{peer.address().to_string(), peer.port()};
-  auto conn = std::make_shared<Connection>(next_id(), m_io, m_chunks, remote, listener->params,
-                                           listener->id, Phase::HANDSHAKE);
+  auto conn = std::make_shared<Connection>(next_id(), m_io, m_chunks, m_bodies, remote,
+                                           listener->params, listener->id, Phase::HANDSHAKE);
   conn->socket = std::move(socket);
   Admission admission{};
   {

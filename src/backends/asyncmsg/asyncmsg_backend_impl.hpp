@@ -80,6 +80,11 @@ constexpr int ACCEPTS_PER_EVENT = 64;
 constexpr auto LINGER_TIMEOUT = 2s;
 // Staging chunks kept for reuse by the backend's connections (8 MiB).
 constexpr std::size_t CACHED_CHUNKS = 32;
+// Bodies of large received messages kept for reuse by the backend's connections: enough for
+// 32 connections receiving at once, at most 64 MiB (and never more than
+// limits.max_receive_memory).
+constexpr std::size_t CACHED_BODIES = 32;
+constexpr std::size_t CACHED_BODY_BYTES = std::size_t{64} << 20U;
 
 struct Listener {
   Listener(std::uint64_t id_, EndPointAddress address_, const ConnectionParameters& params_,
@@ -104,14 +109,17 @@ using detail::Phase;
 
 struct Connection : detail::ConnectionBase {
   Connection(std::uint64_t id_, std::shared_ptr<asio::io_context> io_,
-             std::shared_ptr<ChunkCache> chunks, EndPointAddress remote_,
-             const ConnectionParameters& params_, std::uint64_t listener_id_, Phase initial)
+             std::shared_ptr<ChunkCache> chunks, std::shared_ptr<detail::BodyCache> bodies,
+             EndPointAddress remote_, const ConnectionParameters& params_,
+             std::uint64_t listener_id_, Phase initial)
       : ConnectionBase{id_, std::move(remote_), params_, listener_id_, true, initial},
         io{std::move(io_)},
         socket{*io},
         // The set-up's frames, whatever the configured limit (admitted() sets that).
         decoder{detail::MAX_ADMISSION_FRAME},
-        queue{std::move(chunks)} {}
+        queue{std::move(chunks)} {
+    decoder.set_body_cache(std::move(bodies));
+  }
 
   std::shared_ptr<asio::io_context> io;
   tcp::socket socket;
@@ -162,6 +170,8 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
       : Engine{NAME, std::move(config), std::move(loop), ThreadSafetyModel::SAFE},
         m_io{std::make_shared<asio::io_context>(1)},
         m_chunks{std::make_shared<ChunkCache>(CACHED_CHUNKS)},
+        m_bodies{std::make_shared<detail::BodyCache>(
+            CACHED_BODIES, std::min(CACHED_BODY_BYTES, m_config.limits.max_receive_memory))},
         m_max_message{std::min(m_config.limits.max_message_size, WIRE_MAX_MESSAGE_SIZE)},
         m_key{m_config.partition_key} {
     const auto& shared_tx = m_config.shared_send_buffers;
@@ -363,6 +373,8 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
 
   const std::shared_ptr<asio::io_context> m_io;  // never run: socket services only
   const std::shared_ptr<ChunkCache> m_chunks;
+  // Bodies of large received messages, kept for the next (every connection's decoder).
+  const std::shared_ptr<detail::BodyCache> m_bodies;
   const std::size_t m_max_message;
   const detail::PartitionKey m_key;
   std::unique_ptr<detail::BufferPool> m_shared_send_pool;
