@@ -33,6 +33,9 @@ class BackendFacade final : public NetworkBackend {
   BackendFacade(BackendFacade&&) = delete;
   BackendFacade& operator=(BackendFacade&&) = delete;
 
+  // The implementation, for tests that play a misbehaving peer through it.
+  [[nodiscard]] Impl& impl() noexcept { return *m_impl; }
+
   ~BackendFacade() override {
     // No callback starts from here on, whatever thread destroys and whatever is in flight.
     m_impl->notifier().stop();

@@ -156,6 +156,18 @@ class RawFabric {
     return ok;
   }
 
+  // A message of `payload` (at most the provider's inject size) with remote CQ `data` on the
+  // endpoint connected last.
+  bool send_with_data(const Bytes& payload, std::uint64_t data) {
+    if (m_eps.empty()) return false;
+    for (;;) {
+      const ssize_t rc = fi_injectdata(m_eps.back(), payload.data(), payload.size(), data, 0);
+      if (rc != -FI_EAGAIN) return rc == 0;
+      fi_cq_data_entry entry{};
+      (void)fi_cq_read(m_cq, &entry, 1);  // drives the provider's progress
+    }
+  }
+
   // The event that ends a connect(): CONNECTED with the accept data, or REJECTED with the
   // reject data.
   Event outcome() {
@@ -300,6 +312,77 @@ class AdmissionLibfabric : public ::testing::Test {
   std::unique_ptr<NetworkBackend> m_server;
   EndPointAddress m_listen;
 };
+
+// An admitted peer on a listener with shared receive buffers tags its messages with tokens
+// near its own - the token the server gave it, which names its connection - hoping for another
+// connection's: none of them is delivered as that connection's (tokens were sequential ids, and
+// its own token minus one named the connection accepted before it). Its own token still works.
+TEST_F(AdmissionLibfabric, APeerTaggingMessagesWithAnotherConnectionsTokenIsNotBelieved) {
+  auto config = m_server_rec.config(netio3::ThreadSafetyModel::SAFE, NetworkMode::TCP,
+                                    Recorder::Callbacks::WITH_SENDER_AND_REASON);
+  config.limits = patient_limits();
+  m_server =
+      netio3::Netio3Backend::create(BackendType::LIBFABRIC, std::move(config), m_loop.loop());
+  m_listen = m_server->open_listen_endpoint(
+      {"127.0.0.1", 0},
+      {.recv_params = {.buf_size = 4096, .num_buf = 32, .use_shared_receive_buffers = true}});
+  // The honest peer, connected first.
+  Recorder honest_rec;
+  auto honest = netio3::Netio3Backend::create(
+      BackendType::LIBFABRIC, honest_rec.config(netio3::ThreadSafetyModel::SAFE, NetworkMode::TCP),
+      m_loop.loop());
+  honest->open_active_endpoint(m_listen, {.send_buffered_params = {.buf_size = 64, .num_buf = 4}});
+  ASSERT_TRUE(
+      honest_rec.wait([](const Recorder& r) { return r.count(Recorder::Kind::ESTABLISHED) == 1; }));
+  ASSERT_TRUE(m_server_rec.wait(
+      [](const Recorder& r) { return r.count(Recorder::Kind::ESTABLISHED) == 1; }));
+  // The impostor: a raw endpoint that announces heartbeats, so that the server gives it its
+  // token (and the tag flag: the listener's buffers are shared).
+  constexpr std::uint16_t SENDS_HEARTBEATS = 2;
+  constexpr std::uint16_t TAG_DATA = 4;
+  RawFabric impostor;
+  ASSERT_TRUE(impostor.ok());
+  ASSERT_TRUE(impostor.connect(m_listen, cm_data(SENDS_HEARTBEATS)));
+  const auto accepted = impostor.outcome();
+  ASSERT_EQ(accepted.kind, Kind::CONNECTED);
+  ASSERT_GE(accepted.data.size(), CM_SIZE);
+  ASSERT_NE(flags_of(accepted.data) & TAG_DATA, 0) << "the server did not ask for tagged data";
+  const std::uint64_t own = get_le64(accepted.data.data() + 16);
+  ASSERT_NE(own, 0U);
+  constexpr std::uint64_t TAG = std::uint64_t{1} << 63U;  // the tcp provider: 8 bytes of CQ data
+  ASSERT_TRUE(m_server_rec.wait(
+      [](const Recorder& r) { return r.count(Recorder::Kind::ESTABLISHED) == 2; }));
+  constexpr int NEAR = 64;
+  for (int d = 1; d <= NEAR; ++d) {
+    const auto delta = static_cast<std::uint64_t>(d);
+    ASSERT_TRUE(impostor.send_with_data(Bytes{'s', 'p', 'o', 'o', 'f'}, (own - delta) | TAG));
+    ASSERT_TRUE(impostor.send_with_data(Bytes{'s', 'p', 'o', 'o', 'f'}, (own + delta) | TAG));
+  }
+  ASSERT_TRUE(impostor.send_with_data(Bytes{'o', 'w', 'n'}, own | TAG));
+  // The honest peer's own message last: once it is in, the impostor's (sent before, on
+  // another connection) have long been read.
+  NetworkBuffer* buffer = honest->get_buffer(m_listen);
+  ASSERT_NE(buffer, nullptr);
+  buffer->write(std::span<const std::uint8_t>{Bytes{'h', 'o', 'n', 'e', 's', 't'}});
+  ASSERT_EQ(honest->send_buffer(m_listen, buffer), NetioStatus::OK);
+  ASSERT_TRUE(m_server_rec.wait([](const Recorder& r) {
+    return r.count(Recorder::Kind::DATA) >= 2;  // "own" and "honest"
+  }));
+  const auto events = m_server_rec.snapshot();
+  std::size_t own_delivered = 0;
+  std::vector<EndPointAddress> senders;
+  for (const auto& e : events) {
+    if (e.kind == Recorder::Kind::DATA) senders.push_back(e.remote);
+  }
+  // Two sources spoke: the honest one once, the impostor once (its own token).
+  std::sort(senders.begin(), senders.end());
+  EXPECT_EQ(std::unique(senders.begin(), senders.end()) - senders.begin(), 2);
+  for (const auto& e : events) own_delivered += e.kind == Recorder::Kind::DATA && e.size == 3;
+  EXPECT_EQ(own_delivered, 1U);
+  EXPECT_EQ(m_server_rec.count_now(Recorder::Kind::DATA), 2U)
+      << "a message tagged with a token near the impostor's was delivered";
+  honest.reset();
+}
 
 // The whole set-up by hand; then each recorded request again, and made-up answers.
 TEST_F(AdmissionLibfabric, RecordedRequestsReplayedAndMadeUpAnswersAreRefused) {

@@ -20,6 +20,8 @@
 #include <netio3/netio3.hpp>
 
 #include "backends/ucx/ucp.hpp"
+#include "backends/ucx/ucx_backend_impl.hpp"
+#include "common/backend_facade.hpp"
 #include "common/byte_order.hpp"
 #include "common/sockaddr.hpp"
 #include "test_support.hpp"
@@ -430,6 +432,74 @@ TEST(UcxReceive, ARendezvousPayloadLandsAlignedBehindItsHeaderWhereTheBufferHasR
       server.reset();
     }
   }
+}
+
+// An admitted peer that skips two sequence numbers and then floods: everything it sends waits
+// in the server's inbox for the missing messages. Those bytes count against
+// limits.max_receive_memory, and the message that would cross it closes the connection with
+// the reason; the server's memory stays within the limit (it grew by the whole flood, ~50 MiB
+// for 200 x 256 KiB, and kept it after the close).
+TEST(UcxReceive, APeerWhoseMessagesWaitForAMissingOneIsClosedAtTheReceiveMemoryLimit) {
+  constexpr std::size_t LIMIT = std::size_t{8} << 20U;
+  constexpr std::size_t SIZE = 4096;                     // eager: held as a copy until its turn
+  constexpr std::size_t FLOOD = std::size_t{96} << 20U;  // 12 times the limit
+  LogCapture log{LogLevel::warn};
+  Recorder server_rec;
+  Recorder client_rec;
+  LoopThread loop;
+  auto server_config = server_rec.config(ThreadSafetyModel::SAFE, NetworkMode::TCP);
+  server_config.limits.max_receive_memory = LIMIT;
+  server_config.limits.max_message_size = SIZE * 2;
+  auto server = Netio3Backend::create(BackendType::UCX, server_config, loop.loop());
+  auto client = Netio3Backend::create(
+      BackendType::UCX, client_rec.config(ThreadSafetyModel::SAFE, NetworkMode::TCP), loop.loop());
+  auto* misbehaving = dynamic_cast<detail::BackendFacade<ucx::Backend>*>(client.get());
+  ASSERT_NE(misbehaving, nullptr);
+  const auto listen = server->open_listen_endpoint(
+      {"127.0.0.1", 0}, {.recv_params = {.buf_size = SIZE, .num_buf = 16}});
+  client->open_active_endpoint(listen, {.send_buffered_params = {.buf_size = SIZE, .num_buf = 64}});
+  ASSERT_TRUE(
+      client_rec.wait([](const Recorder& r) { return r.count(Recorder::Kind::ESTABLISHED) == 1; }));
+  ASSERT_TRUE(
+      server_rec.wait([](const Recorder& r) { return r.count(Recorder::Kind::ESTABLISHED) == 1; }));
+  const std::size_t rss_before = rss_bytes();
+  misbehaving->impl().skip_sequence_numbers(listen, 2);
+  std::size_t sent = 0;
+  while (sent < FLOOD && client_rec.count_now(Recorder::Kind::CLOSED) == 0) {
+    NetworkBuffer* buffer = nullptr;
+    try {
+      buffer = client->get_buffer(listen);
+    } catch (const UnknownActiveEndpoint&) {
+      break;  // closed meanwhile
+    }
+    if (buffer == nullptr) {
+      // Every buffer in flight: wait for one back (or the close).
+      const auto completed = client_rec.count_now(Recorder::Kind::COMPLETED);
+      ASSERT_TRUE(client_rec.wait([&](const Recorder& r) {
+        return r.count(Recorder::Kind::COMPLETED) > completed ||
+               r.count(Recorder::Kind::CLOSED) > 0;
+      }));
+      continue;
+    }
+    buffer->resize(SIZE);
+    if (client->send_buffer(listen, buffer) != NetioStatus::OK) break;
+    sent += SIZE;
+  }
+  ASSERT_TRUE(server_rec.wait([](const Recorder& r) {
+    return r.count(Recorder::Kind::CLOSED) == 1;
+  })) << "the server kept the flooding peer ("
+      << sent << " bytes sent)";
+  EXPECT_EQ(server_rec.count_now(Recorder::Kind::DATA), 0U) << "nothing is in order";
+  EXPECT_GE(log.count("would exceed limits.max_receive_memory"), 1U);
+  EXPECT_LT(sent, FLOOD) << "the flood ran to its end before the close";
+  // The flood's bytes are not kept: at most the limit, and the allocator's slack, on top.
+  const std::size_t rss_after = rss_bytes();
+  EXPECT_LT(rss_after, rss_before + LIMIT + (std::size_t{24} << 20U))
+      << "RSS " << rss_before << " -> " << rss_after;
+  ASSERT_TRUE(
+      client_rec.wait([](const Recorder& r) { return r.count(Recorder::Kind::CLOSED) == 1; }));
+  client.reset();
+  server.reset();
 }
 
 }  // namespace

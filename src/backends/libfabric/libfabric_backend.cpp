@@ -315,13 +315,24 @@ std::shared_ptr<RecvBuffers> Backend::global_recv(Domain& domain) {
   return recv;
 }
 
+std::uint64_t Backend::new_token(const Domain& domain) {
+  const std::size_t bytes = domain.cq_data_size();
+  // Below the tag bit where tokens travel (at least 4 bytes of CQ data), else any 63 bits.
+  const std::uint64_t mask =
+      (bytes >= sizeof(std::uint32_t) ? cq_tag_bit(bytes) : cq_tag_bit(8)) - 1;
+  while (true) {
+    const std::uint64_t token = detail::random_u64() & mask;
+    if (token != 0 && !m_registry.by_id(token)) return token;
+  }
+}
+
 std::shared_ptr<Connection> Backend::make_connection(const EndPointAddress& remote,
                                                      const ConnectionParameters& params,
                                                      std::uint64_t listener_id, Domain& domain,
                                                      Phase initial,
                                                      std::shared_ptr<RecvBuffers> shared) {
-  auto conn = std::make_shared<Connection>(next_id(), remote, params, listener_id, &domain, safe(),
-                                           initial);
+  auto conn = std::make_shared<Connection>(new_token(domain), remote, params, listener_id, &domain,
+                                           safe(), initial);
   // Receive buffers: the shared ones if there are any; else the endpoint's own, as asked
   // by recv_params or, where shared buffers are configured but the provider has no shared
   // receive context, as configured for the shared ones.

@@ -27,6 +27,7 @@
 #include "common/endpoint_registry.hpp"
 #include "common/endpoint_rules.hpp"
 #include "common/log.hpp"
+#include "common/log_limiter.hpp"
 #include "common/notifier.hpp"
 #include "common/send_ledger.hpp"
 #include "common/setup_deadlines.hpp"
@@ -280,6 +281,10 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
 
   // ---- connections -----------------------------------------------------------------
 
+  // A connection's id, which is also its token in the CQ data of heartbeats and of tagged
+  // messages to a shared receive context: random below the tag bit (63 bits where the CQ data
+  // has 8 bytes, 31 on verbs' 4), so that an admitted peer cannot name another connection.
+  [[nodiscard]] std::uint64_t new_token(const Domain& domain);
   std::shared_ptr<Connection> make_connection(const EndPointAddress& remote,
                                               const ConnectionParameters& params,
                                               std::uint64_t listener_id, Domain& domain,
@@ -472,6 +477,8 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
   std::optional<Deciding> m_deciding;
 
   std::atomic<bool> m_kick_pending{false};
+  // Lines about what peers send that names no connection: a flood writes a few a second.
+  detail::LogLimiter m_peer_log;
   EventSignalHandle m_kick;
   PrepareHookHandle m_prepare;
 };

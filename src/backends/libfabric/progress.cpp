@@ -346,6 +346,13 @@ void Backend::on_received(Op& op, std::size_t len, std::uint64_t token) {
       ++named->arrivals;
       // A connection that is closing delivers nothing more (as with its own buffers).
       if (still_open(*named)) (void)deliver(*named, bytes);
+    } else {
+      // Tokens are random (new_token): a peer on this shared context that names no
+      // connection of ours guesses, or names one that has closed since.
+      NETIO3_LOG_LIMITED(m_peer_log, LogLevel::warn,
+                         "libfabric: dropped a message of {} bytes on a shared receive context: "
+                         "its tag names no open connection (a closed one, or a peer that guesses)",
+                         bytes.size());
     }
     if (!shut_down()) repost_shared(op);
     return;

@@ -248,7 +248,7 @@ ucs_status_t Backend::on_message(std::span<const std::uint8_t> header, void* dat
   const auto decoded = decode_header(header, error);
   if (!decoded) {
     // Not addressed to a connection that can be named: nothing to close.
-    NETIO3_WARN("ucx: dropping a message: {}", error);
+    NETIO3_LOG_LIMITED(m_stranger_log, LogLevel::warn, "ucx: dropping a message: {}", error);
     return drop;
   }
   const auto conn = m_registry.by_id(decoded->token);
@@ -289,6 +289,18 @@ ucs_status_t Backend::on_message(std::span<const std::uint8_t> header, void* dat
     slot.desc = data;
     return UCS_INPROGRESS;
   }
+  // What waits in the inbox holds memory (a copy, or UCX's descriptor) until its turn: a peer
+  // that skips a sequence number and floods would pin it without bound.
+  const std::size_t held = prefix.size() + length;
+  if (held > m_config.limits.max_receive_memory -
+                 std::min(m_inbox_bytes, m_config.limits.max_receive_memory)) {
+    protocol_error(*conn, fmt::format("messages waiting for an earlier one hold {} bytes; {} more "
+                                      "would exceed limits.max_receive_memory ({} bytes)",
+                                      m_inbox_bytes, held, m_config.limits.max_receive_memory));
+    return drop;
+  }
+  m_inbox_bytes += held;
+  slot.held = held;
   slot.stage = Incoming::Stage::READY;
   slot.length = prefix.size() + length;
   if (persistent && prefix.empty()) {
@@ -670,6 +682,7 @@ void Backend::discard(Connection& conn, Incoming& slot) {
 }
 
 void Backend::release(Connection& conn, Incoming& message) {
+  m_inbox_bytes -= std::min(m_inbox_bytes, std::exchange(message.held, 0));
   // After a shutdown (a callback destroyed the backend) the worker and its data are gone.
   if (message.desc != nullptr && m_worker) ucp_am_data_release(m_worker->get(), message.desc);
   message.desc = nullptr;
@@ -677,6 +690,12 @@ void Backend::release(Connection& conn, Incoming& message) {
   message.buffer = nullptr;
   message.heap.reset();
   message.data = nullptr;
+}
+
+void Backend::skip_sequence_numbers(const EndPointAddress& remote, std::uint64_t n) {
+  const auto conn = m_registry.get(remote, "skip_sequence_numbers");
+  const std::lock_guard lock{conn->mutex};
+  conn->tx_seq += n;
 }
 
 }  // namespace netio3::ucx

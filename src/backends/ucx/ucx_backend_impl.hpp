@@ -32,6 +32,7 @@
 #include "common/endpoint_registry.hpp"
 #include "common/endpoint_rules.hpp"
 #include "common/log.hpp"
+#include "common/log_limiter.hpp"
 #include "common/notifier.hpp"
 #include "common/send_ledger.hpp"
 #include "common/setup_deadlines.hpp"
@@ -141,6 +142,7 @@ struct Incoming {
   NetworkBuffer* buffer{nullptr};        // rendezvous into a receive-pool buffer
   std::unique_ptr<std::uint8_t[]> heap;  // rendezvous into the heap, or a copied message
   Connection* conn{nullptr};             // RECEIVING: for the completion
+  std::size_t held{0};  // READY from eager: bytes counted in Backend::m_inbox_bytes
 };
 
 // The UCP endpoint to a peer worker (see "Endpoints" above). Loop thread only; its address is
@@ -273,6 +275,9 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
 
   ~Backend() { shutdown(); }
 
+  // Tests only: the messages to `remote` sent from now on skip `n` sequence numbers, as an
+  // admitted peer that misbehaves would. Any thread.
+  void skip_sequence_numbers(const EndPointAddress& remote, std::uint64_t n);
   void start();
 
   void shutdown() noexcept;
@@ -612,6 +617,12 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
   bool m_progress_unfinished{false};  // the last progress() stopped with UCX still busy
   std::chrono::microseconds m_progress_budget{PROGRESS_BUDGET};
   Incoming* m_delivering{nullptr};  // the message on_data_cb has now
+  // Bytes of eager messages held in inboxes until their turn (those that overtook an
+  // earlier message wait there): bounded by limits.max_receive_memory, a peer whose message
+  // would cross it is closed. Loop thread only.
+  std::size_t m_inbox_bytes{0};
+  // Lines about messages that name no connection (strangers' workers): a few a second.
+  detail::LogLimiter m_stranger_log;
 
   std::atomic<bool> m_kick_pending{false};
   FdHandle m_efd;
