@@ -237,6 +237,20 @@ ucs_status_t Backend::am_callback(void* arg, const void* header, std::size_t hea
       {static_cast<const std::uint8_t*>(header), header_length}, data, length, *param);
 }
 
+ucs_status_t Backend::stranger_am_callback(void* arg, const void* /*header*/,
+                                           std::size_t header_length, void* /*data*/,
+                                           std::size_t length, const ucp_am_recv_param_t* param) {
+  auto* self = static_cast<Backend*>(arg);
+  const bool rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
+  if (!self->shut_down()) {
+    NETIO3_LOG_LIMITED(self->m_stranger_log, LogLevel::warn,
+                       "ucx: dropping a message of {} bytes on an active message id netio3 does "
+                       "not use (a worker that is not netio3's reached this one)",
+                       header_length + length);
+  }
+  return rndv ? UCS_ERR_CANCELED : UCS_OK;  // as on_message drops
+}
+
 ucs_status_t Backend::on_message(std::span<const std::uint8_t> header, void* data,
                                  std::size_t length, const ucp_am_recv_param_t& param) {
   const bool rndv = (param.recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;

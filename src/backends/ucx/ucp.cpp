@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cerrno>
 #include <cmath>
 #include <cstdlib>
@@ -22,6 +23,7 @@
 
 #include <fmt/format.h>
 
+#include "backends/ucx/tcp_wireup_guard.hpp"
 #include "common/byte_order.hpp"
 #include "common/log.hpp"
 
@@ -160,7 +162,18 @@ Worker::Worker(const TransportChoice& transports, ThreadSafetyModel model,
     wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
     wp.thread_mode =
         model == ThreadSafetyModel::SAFE ? UCS_THREAD_MODE_MULTI : UCS_THREAD_MODE_SINGLE;
+    const std::uint64_t guarded = tcp_wireup_guarded_interfaces();
     check("ucp_worker_create", ucp_worker_create(m_context, &wp, &m_worker));
+    m_tcp_guarded = tcp_wireup_guarded_interfaces() > guarded;
+    if (!m_tcp_guarded && tcp_wireup_guard_wanted() && may_use(transports.tls, {"tcp"})) {
+      static std::atomic<bool> said{false};
+      if (!said.exchange(true)) {
+        NETIO3_WARN(
+            "ucx: the guard against UCX 1.13's tcp wire-up crash is not in effect (UCP does not "
+            "call netio3's uct_iface_set_am_handler: was libnetio3 loaded after libuct?); a "
+            "process that reaches a UCX tcp port of this one can crash it (docs/ucx.md)");
+      }
+    }
     ucp_worker_attr_t attr{};
     attr.field_mask = UCP_WORKER_ATTR_FIELD_THREAD_MODE;
     check("ucp_worker_query", ucp_worker_query(m_worker, &attr));

@@ -75,11 +75,14 @@ class Worker {
   [[nodiscard]] int event_fd() const noexcept { return m_efd; }
   // The worker's address (what a peer's ucp_ep_create needs), packed by UCX.
   [[nodiscard]] std::span<const std::uint8_t> address() const noexcept { return m_address; }
+  // Its tcp interfaces are behind the wire-up guard (tcp_wireup_guard.hpp).
+  [[nodiscard]] bool tcp_guarded() const noexcept { return m_tcp_guarded; }
 
  private:
   ucp_context_h m_context{nullptr};
   ucp_worker_h m_worker{nullptr};
   int m_efd{-1};
+  bool m_tcp_guarded{false};
   std::vector<std::uint8_t> m_address;
 };
 
@@ -197,6 +200,9 @@ class MemoryMap {
 // payload leaves as one contiguous block); BYE (empty) ends the stream.
 
 inline constexpr unsigned AM_ID = 7;
+// Active message ids below this get a handler that drops what arrives on them (all but AM_ID):
+// a power of two, see Backend::ensure_worker.
+inline constexpr unsigned STRANGER_AM_IDS = 256;
 inline constexpr std::uint8_t PROTOCOL_VERSION = 3;
 inline constexpr std::size_t AM_HEADER_SIZE = 24;
 inline constexpr std::size_t AM_PREFIX_MAX = 16;

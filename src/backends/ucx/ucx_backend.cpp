@@ -391,6 +391,20 @@ void Backend::ensure_worker(const EndPointAddress& first, bool listening) {
     handler.arg = this;
     check("ucp_worker_set_am_recv_handler",
           ucp_worker_set_am_recv_handler(m_worker->get(), &handler));
+    // UCX 1.13 grows its table of handlers without initialising the new entries (in
+    // ucp_worker_set_am_handler_common the loop meant for each new slot initialises the new id's
+    // slot over and over): a message on another id below the table's size calls whatever the
+    // memory held, and any worker that reaches this one can send it. Every id up to
+    // STRANGER_AM_IDS gets a handler that drops (registered in increasing order, the table ends
+    // at exactly that size: it doubles from AM_ID + 1 and rounds to even sizes).
+    handler.flags = 0;
+    handler.cb = &Backend::stranger_am_callback;
+    for (unsigned id = 0; id < STRANGER_AM_IDS; ++id) {
+      if (id == AM_ID) continue;
+      handler.id = id;
+      check("ucp_worker_set_am_recv_handler",
+            ucp_worker_set_am_recv_handler(m_worker->get(), &handler));
+    }
     m_own_address = parse_worker_address(m_worker->address());
     if (!m_own_address.error.empty()) {
       NETIO3_WARN(
