@@ -214,8 +214,7 @@ AdmissionStep AdmissionExchange::on_greeting(std::uint16_t minor, std::uint32_t 
   m_peer_keyed = (flags & GREETING_KEYED) != 0;
   if (keyed() != m_peer_keyed) {
     return {.kind = Kind::NOT_ADMITTED,
-            .text = keyed() ? "the peer holds no partition key, and this side requires one"
-                            : "the peer requires a partition key, and this side has none"};
+            .text = std::string{keyed() ? PEER_HOLDS_NO_KEY : PEER_REQUIRES_KEY}};
   }
   if (m_client) {
     if ((flags & GREETING_VERDICT) != 0) {

@@ -98,6 +98,13 @@ struct DecodedProof {
 // The peer's reason as printable text (other bytes replaced), at most MAX_REFUSAL_REASON.
 [[nodiscard]] std::string decode_refusal(std::span<const std::uint8_t> body);
 
+// The two ways the sides of a set-up can disagree about a partition key, as the side that
+// finds it says (every backend, both sides: one wording).
+inline constexpr std::string_view PEER_HOLDS_NO_KEY =
+    "the peer holds no partition key, and this side requires one";
+inline constexpr std::string_view PEER_REQUIRES_KEY =
+    "the peer requires a partition key, and this side has none";
+
 // ---- the exchange, as both asyncmsg (1.3) and the UCX control channel (3.3) run it ---------
 //
 // One connection's admission state and what each arrival means; the backend does the

@@ -7,10 +7,12 @@
 #include <cctype>
 #include <cerrno>
 #include <chrono>
+#include <csignal>
 #include <cstdint>
 #include <cstdlib>
 #include <functional>
 #include <optional>
+#include <regex>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -384,6 +386,24 @@ TEST_P(OnBackend, GuideErrorsHappenAsDocumented) {
   // The exception thrown by on_data_cb was logged, and the backend carried on.
   EXPECT_THAT(child.err(), HasSubstr("exception escaped on_data_cb: the application's own bug"))
       << child.describe();
+}
+
+// Timers tick on the loop thread, and Ctrl-C (SIGINT) stops the program cleanly: the
+// connection closes, the closed callback stops the loop, exit status 0 (not 1, as the psm
+// library's handler would give a program without one of its own).
+TEST_P(OnBackend, GuideTimersTickAndCtrlCStopsCleanly) {
+  Child child{with_backend({EXAMPLE_GUIDE_TIMERS, "--tick", "50"})};
+  // A tick that saw both ends of the connection open and messages received: both timers run.
+  const std::regex busy_tick{
+      R"(tick [0-9]+: 2 open, [0-9]+ sent, [0-9]+ completed, [1-9][0-9]* received\n)"};
+  ASSERT_TRUE(child.read_until(
+      [&](const std::string& out) { return std::regex_search(out, busy_tick); }, deadline()))
+      << child.describe();
+  child.signal(SIGINT);
+  ASSERT_EQ(child.wait(deadline()), 0) << child.describe();
+  EXPECT_THAT(child.out(), HasSubstr(fmt::format("stopping (signal {})", SIGINT)))
+      << child.describe();
+  EXPECT_THAT(child.out(), HasSubstr("closed: ")) << child.describe();
 }
 
 // ---- netio3-demo -----------------------------------------------------------------------

@@ -539,7 +539,10 @@ void Backend::on_eq_error(Domain& domain, const fi_eq_err_entry& err) {
       why = "refused by the peer: it has a connection from this source address and port already";
     } else if ((data->flags & CM_NOT_ADMITTED) != 0) {
       refusal = RefusalCause::NOT_ADMITTED;
-      why = fmt::format("refused by the server: {}", detail::decode_refusal(cm_tail(reject_data)));
+      const std::string text = detail::decode_refusal(cm_tail(reject_data));
+      why = text == detail::PEER_HOLDS_NO_KEY || text == detail::PEER_REQUIRES_KEY
+                ? text
+                : fmt::format("refused by the server: {}", text);
     } else if ((data->flags & CM_CHALLENGE) != 0) {
       then = Then::ANSWER_CHALLENGE;
       challenge = decode_challenge(cm_tail(reject_data));
@@ -563,6 +566,10 @@ void Backend::on_eq_error(Domain& domain, const fi_eq_err_entry& err) {
     }
     if (conn->setting_up() && refusal == RefusalCause::SETUP_FAILED) {
       why += " (the connection broke off during the provider's set-up)";
+    }
+    // As the other backends' clients do: a refusal by admission is worth a line of its own.
+    if (refusal == RefusalCause::NOT_ADMITTED) {
+      NETIO3_WARN("libfabric: connection to {} not admitted: {}", conn->remote, why);
     }
     refuse(conn, refusal, why);
     return;
@@ -748,14 +755,14 @@ bool Backend::admit_request(const std::shared_ptr<Listener>& listener, fi_info* 
   const bool keyed_peer = (peer.flags & CM_KEYED) != 0;
   if (m_key.empty()) {
     if (keyed_peer) {
-      return refuse_it("the peer requires a partition key, and this side has none",
-                       "it holds no partition key, and the client requires one");
+      // The client is told what its own side would have found: the same words on every
+      // backend (asyncmsg and UCX find it in the greetings).
+      return refuse_it(detail::PEER_REQUIRES_KEY, detail::PEER_HOLDS_NO_KEY);
     }
     return decide(listener, request, remote, {}, false);
   }
   if (!keyed_peer) {
-    return refuse_it("the peer holds no partition key, and this side requires one",
-                     "it requires a partition key, and the client has none");
+    return refuse_it(detail::PEER_HOLDS_NO_KEY, detail::PEER_REQUIRES_KEY);
   }
   const auto now = ChallengeTable::Clock::now();
   if ((peer.flags & CM_PROOF) == 0) {
