@@ -32,6 +32,8 @@ constexpr std::array<std::string_view, 3> BACKEND_NAMES{"asyncmsg", "libfabric",
 constexpr std::array<std::string_view, 2> MODE_NAMES{"rdma", "tcp"};
 constexpr std::array<std::string_view, 2> SAFETY_NAMES{"safe", "unsafe"};
 constexpr std::array<std::string_view, 3> STATUS_NAMES{"ok", "no_resources", "failed"};
+constexpr std::array<std::string_view, 5> CLOSE_NAMES{"local", "peer_closed", "peer_lost",
+                                                      "timed_out", "protocol_error"};
 constexpr std::array<std::string_view, 5> REFUSAL_NAMES{"unreachable", "timed_out", "rejected",
                                                         "setup_failed", "not_admitted"};
 
@@ -62,6 +64,9 @@ std::string_view to_string(NetioStatus status) noexcept {
 }
 std::string_view to_string(RefusalCause cause) noexcept {
   return name_of(static_cast<std::size_t>(cause), REFUSAL_NAMES);
+}
+std::string_view to_string(CloseCause cause) noexcept {
+  return name_of(static_cast<std::size_t>(cause), CLOSE_NAMES);
 }
 
 std::optional<BackendType> parse_backend_type(std::string_view name) noexcept {

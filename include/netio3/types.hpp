@@ -186,6 +186,31 @@ struct RefusalReason {
 using OnConnectionRefusedReasonCb =
     std::function<void(const EndPointAddress& remote, const RefusalReason& reason)>;
 
+/// Why an established connection ended (CloseReason::cause).
+enum class CloseCause {
+  LOCAL,          ///< this side closed it: close_active_endpoint, close_listen_endpoint
+  PEER_CLOSED,    ///< the peer closed it in order
+  PEER_LOST,      ///< it broke: the peer's process, host or link went away (a reset, an error
+                  ///< of the transport), or an operation on it failed
+  TIMED_OUT,      ///< nothing came from the peer for limits.peer_timeout (its heartbeats too)
+  PROTOCOL_ERROR  ///< the peer sent what netio3 does not accept (the message says what)
+};
+/// "local", "peer_closed", "peer_lost", "timed_out", "protocol_error".
+[[nodiscard]] NETIO3_API std::string_view to_string(CloseCause cause) noexcept;
+
+/// What on_connection_closed_reason_cb reports: a cause to act on and a text to log.
+struct CloseReason {
+  CloseCause cause{CloseCause::PEER_LOST};  ///< what kind of end
+  std::string message;                      ///< what happened, in words (also logged)
+};
+
+/// on_connection_closed_cb with the reason: an established connection ended, the keys of its
+/// accepted sends that did not complete, and why it ended. Optional; when set it is called
+/// instead of on_connection_closed_cb (setting both is an InvalidConfiguration).
+using OnConnectionClosedReasonCb = std::function<void(
+    const EndPointAddress& remote, const std::vector<std::uint64_t>& cancelled_keys,
+    const CloseReason& reason)>;
+
 /// Who asks to be admitted through a listening endpoint (NetworkConfig::on_accept_cb).
 struct PeerInfo {
   EndPointAddress remote;    ///< the peer's source address, as the other callbacks will name it
@@ -293,6 +318,8 @@ struct NetworkConfig {
   /// Admission: the name this side presents to its peers' on_accept_cb, covered by its proof
   /// of partition_key (so it needs one); at most MAX_IDENTITY_SIZE bytes.
   std::string identity{};
+  /// Optional, instead of on_connection_closed_cb: the end of a connection with its reason.
+  OnConnectionClosedReasonCb on_connection_closed_reason_cb{};
 };
 
 }  // namespace netio3
@@ -328,5 +355,6 @@ NETIO3_DETAIL_ENUM_FORMATTER(netio3::NetworkMode)
 NETIO3_DETAIL_ENUM_FORMATTER(netio3::ThreadSafetyModel)
 NETIO3_DETAIL_ENUM_FORMATTER(netio3::NetioStatus)
 NETIO3_DETAIL_ENUM_FORMATTER(netio3::RefusalCause)
+NETIO3_DETAIL_ENUM_FORMATTER(netio3::CloseCause)
 #undef NETIO3_DETAIL_ENUM_FORMATTER
 /// @endcond

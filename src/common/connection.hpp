@@ -31,9 +31,27 @@ namespace netio3::detail {
 enum class Phase : std::uint8_t { CONNECTING, HANDSHAKE, OPEN, CLOSING, CLOSED };
 
 // Why a connection ends: the application closed it (or its listener), the peer did, an
-// error (refusals, timeouts and failures included), or the peer fell silent for
-// limits.peer_timeout (an error too, after which nothing is waited for from the peer).
-enum class CloseCause : std::uint8_t { LOCAL, PEER, ERROR, SILENT };
+// error (refusals, timeouts and failures included), the peer fell silent for
+// limits.peer_timeout (an error too, after which nothing is waited for from the peer), or the
+// peer sent what netio3 does not accept (an error too). The application sees them as
+// netio3::CloseCause (public_cause).
+enum class CloseCause : std::uint8_t { LOCAL, PEER, ERROR, SILENT, PROTOCOL };
+
+[[nodiscard]] constexpr netio3::CloseCause public_cause(CloseCause cause) noexcept {
+  switch (cause) {
+    case CloseCause::LOCAL:
+      return netio3::CloseCause::LOCAL;
+    case CloseCause::PEER:
+      return netio3::CloseCause::PEER_CLOSED;
+    case CloseCause::SILENT:
+      return netio3::CloseCause::TIMED_OUT;
+    case CloseCause::PROTOCOL:
+      return netio3::CloseCause::PROTOCOL_ERROR;
+    case CloseCause::ERROR:
+      break;
+  }
+  return netio3::CloseCause::PEER_LOST;
+}
 
 // Always owned by a shared_ptr (shared_from_this: what the engine posts keeps it).
 struct ConnectionBase : std::enable_shared_from_this<ConnectionBase> {

@@ -505,10 +505,12 @@ class ConnectionEngine {
 
   // close() for an error that, during the set-up of an active connection, is reported to the
   // application as a refusal for `refusal` (on_connection_refused_reason_cb). Loop thread.
-  void refuse(const std::shared_ptr<Conn>& conn, RefusalCause refusal, std::string_view reason) {
+  // `cause` says what an open connection's end was (the peer broke the protocol, ...).
+  void refuse(const std::shared_ptr<Conn>& conn, RefusalCause refusal, std::string_view reason,
+              CloseCause cause = CloseCause::ERROR) {
     assert_loop_thread();
     if (conn->setting_up()) conn->refusal = refusal;
-    close(conn, reason, CloseCause::ERROR);
+    close(conn, reason, cause);
   }
 
   // close() from any thread: posted to the loop.
@@ -818,7 +820,8 @@ class ConnectionEngine {
     const Conn& conn = *ended;
     const auto& info = conn.ending_info;
     if (info.was_open || (conn.active() && info.cause == CloseCause::LOCAL)) {
-      m_notifier.closed(conn.remote, keys, info.reason);
+      m_notifier.closed(conn.remote, keys,
+                        CloseReason{.cause = public_cause(info.cause), .message = info.reason});
     } else if (conn.active()) {
       m_notifier.refused(conn.remote, conn.refusal, info.reason);
     } else {

@@ -69,6 +69,11 @@ void check_config(const NetworkConfig& config) {
         "set one of on_connection_refused_cb and on_connection_refused_reason_cb "
         "(on_connection_refused_reason_cb is on_connection_refused_cb with the reason)");
   }
+  if (config.on_connection_closed_cb && config.on_connection_closed_reason_cb) {
+    throw InvalidConfiguration(
+        "set one of on_connection_closed_cb and on_connection_closed_reason_cb "
+        "(on_connection_closed_reason_cb is on_connection_closed_cb with the reason)");
+  }
 }
 
 void check_connection_parameters(const ConnectionParameters& params, const NetworkConfig& config,

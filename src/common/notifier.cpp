@@ -28,6 +28,7 @@ Notifier::Notifier(std::string_view backend_name, const NetworkConfig& config)
       m_on_data_from{config.on_data_from_cb},
       m_on_established{config.on_connection_established_cb},
       m_on_closed{config.on_connection_closed_cb},
+      m_on_closed_reason{config.on_connection_closed_reason_cb},
       m_on_refused{config.on_connection_refused_cb},
       m_on_refused_reason{config.on_connection_refused_reason_cb},
       m_on_send_completed{config.on_send_completed_cb},
@@ -50,10 +51,15 @@ void Notifier::established(const EndPointAddress& remote, const EndpointCapabili
 }
 
 void Notifier::closed(const EndPointAddress& remote, const std::vector<std::uint64_t>& keys,
-                      std::string_view reason) const {
-  NETIO3_DEBUG("{}: connection with {} closed ({}), {} send(s) cancelled", m_name, remote, reason,
-               keys.size());
-  guarded(stopped(), m_name, "on_connection_closed_cb", m_on_closed, remote, keys);
+                      const CloseReason& reason) const {
+  NETIO3_DEBUG("{}: connection with {} closed ({}: {}), {} send(s) cancelled", m_name, remote,
+               reason.cause, reason.message, keys.size());
+  if (m_on_closed_reason) {
+    guarded(stopped(), m_name, "on_connection_closed_reason_cb", m_on_closed_reason, remote, keys,
+            reason);
+  } else {
+    guarded(stopped(), m_name, "on_connection_closed_cb", m_on_closed, remote, keys);
+  }
 }
 
 void Notifier::refused(const EndPointAddress& remote, RefusalCause cause,

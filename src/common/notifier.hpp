@@ -21,7 +21,7 @@ class Notifier {
   void data(const EndPointAddress& remote, std::span<const std::uint8_t> bytes) const;
   void established(const EndPointAddress& remote, const EndpointCapabilities& caps) const;
   void closed(const EndPointAddress& remote, const std::vector<std::uint64_t>& cancelled_keys,
-              std::string_view reason) const;
+              const CloseReason& reason) const;
   void refused(const EndPointAddress& remote, RefusalCause cause, std::string_view reason) const;
   void send_completed(const EndPointAddress& remote, std::uint64_t key) const;
   void ready_to_send(const EndPointAddress& remote) const;
@@ -42,6 +42,7 @@ class Notifier {
   OnDataFromCb m_on_data_from;
   OnConnectionEstablishedCb m_on_established;
   OnConnectionClosedKeysCb m_on_closed;
+  OnConnectionClosedReasonCb m_on_closed_reason;
   OnConnectionRefusedCb m_on_refused;
   OnConnectionRefusedReasonCb m_on_refused_reason;
   OnSendCompleted m_on_send_completed;

@@ -217,10 +217,85 @@ TEST_P(CallbackVariants, SettingBothVariantsOfACallbackIsAnInvalidConfiguration)
                                                         const RefusalReason&) {};
                }),
                InvalidConfiguration);
+  EXPECT_THROW(create([](NetworkConfig& c) {
+                 c.on_connection_closed_cb = [](const EndPointAddress&,
+                                                const std::vector<std::uint64_t>&) {};
+                 c.on_connection_closed_reason_cb = [](const EndPointAddress&,
+                                                       const std::vector<std::uint64_t>&,
+                                                       const CloseReason&) {};
+               }),
+               InvalidConfiguration);
   EXPECT_NO_THROW(create([](NetworkConfig& c) {
     c.on_data_from_cb = [](const EndPointAddress&, std::span<const std::uint8_t>) {};
     c.on_connection_refused_reason_cb = [](const EndPointAddress&, const RefusalReason&) {};
+    c.on_connection_closed_reason_cb = [](const EndPointAddress&, const std::vector<std::uint64_t>&,
+                                          const CloseReason&) {};
   }));
+}
+
+// on_connection_closed_reason_cb says how a connection ended: the side that closed it reads
+// LOCAL, the other PEER_CLOSED; closing a listener ends its connections as LOCAL too. (A peer
+// killed, a silent peer and a protocol error: tests/faults, tests/hostile, tests/ucx,
+// tests/admission.)
+TEST_P(CallbackVariants, AClosedConnectionSaysWhyOnBothSides) {
+  auto server = make_node();
+  auto client = make_node();
+  const auto listen = server->call([&] {
+    return server->backend->open_listen_endpoint({test::test_address(), 0},
+                                                 receiver_params(BUF_SIZE));
+  });
+  // The reason of the n-th end of a connection with `remote`.
+  const auto reason_of = [](Node& node, const EndPointAddress& remote,
+                            std::size_t n = 1) -> std::optional<CloseReason> {
+    if (!node.rec.wait([&](const Recorder& r) { return r.count(Kind::CLOSED, remote) >= n; })) {
+      return std::nullopt;
+    }
+    std::size_t seen = 0;
+    for (const auto& e : node.rec.snapshot()) {
+      if (e.kind == Kind::CLOSED && e.remote == remote && ++seen == n) return e.closed;
+    }
+    return std::nullopt;
+  };
+  // The n-th connection: how the server names it.
+  const auto connect = [&](std::size_t n) -> std::optional<EndPointAddress> {
+    client->call([&] {
+      client->backend->open_active_endpoint(
+          listen, sender_params(client->traits, SendMode::BUFFERED, {}, BUF_SIZE, BUF_SIZE));
+    });
+    if (!client->rec.wait([&](const Recorder& r) { return r.count(Kind::ESTABLISHED) == n; }) ||
+        !server->rec.wait([&](const Recorder& r) { return r.count(Kind::ESTABLISHED) == n; })) {
+      return std::nullopt;
+    }
+    std::size_t seen = 0;
+    for (const auto& e : server->rec.snapshot()) {
+      if (e.kind == Kind::ESTABLISHED && ++seen == n) return e.remote;
+    }
+    return std::nullopt;
+  };
+  // The client closes.
+  auto accepted = connect(1);
+  ASSERT_TRUE(accepted.has_value());
+  client->call([&] { client->backend->close_active_endpoint(listen); });
+  const auto local = reason_of(*client, listen);
+  const auto peer = reason_of(*server, *accepted);
+  ASSERT_TRUE(local.has_value());
+  ASSERT_TRUE(peer.has_value());
+  EXPECT_EQ(local->cause, CloseCause::LOCAL) << local->message;
+  EXPECT_EQ(local->message, "closed locally");
+  EXPECT_EQ(peer->cause, CloseCause::PEER_CLOSED) << peer->message;
+  EXPECT_EQ(peer->message, "peer closed the connection");
+  // The server closes its listener: its side reads LOCAL, the client's PEER_CLOSED.
+  accepted = connect(2);
+  ASSERT_TRUE(accepted.has_value());
+  server->call([&] { server->backend->close_listen_endpoint(listen); });
+  const auto by_listener = reason_of(*server, *accepted);
+  const auto seen_by_client = reason_of(*client, listen, 2);
+  ASSERT_TRUE(by_listener.has_value());
+  ASSERT_TRUE(seen_by_client.has_value());
+  EXPECT_EQ(by_listener->cause, CloseCause::LOCAL) << by_listener->message;
+  EXPECT_EQ(by_listener->message, "listen endpoint closed");
+  EXPECT_EQ(seen_by_client->cause, CloseCause::PEER_CLOSED) << seen_by_client->message;
+  EXPECT_EQ(to_string(CloseCause::PEER_CLOSED), "peer_closed");
 }
 
 INSTANTIATE_TEST_SUITE_P(Conformance, CallbackVariants, testing::ValuesIn(backends()), param_name);

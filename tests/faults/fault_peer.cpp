@@ -20,7 +20,7 @@
 //   BAD <what>                        the first message that broke the stream
 //   DONE received=<n> bad=<n>         receiver: N messages arrived
 //   DONE sent=<n>                     sender: N sends completed
-//   CLOSED at_us=<t> remote=... cancelled=<n> received=<n> bad=<n>
+//   CLOSED at_us=<t> remote=... cancelled=<n> received=<n> bad=<n> cause=<CloseCause>
 //                                     the closed callback; t is CLOCK_MONOTONIC in us
 //   LEDGER ok=... completed=... cancelled=... unreported=... violations=...
 //   END <reason>

@@ -193,8 +193,9 @@ NetworkConfig Observer::config(NetworkMode mode) {
       return fmt::format("ESTABLISHED {}", remote);
     });
   };
-  config.on_connection_closed_cb = [this](const EndPointAddress& remote,
-                                          const std::vector<std::uint64_t>& keys) {
+  config.on_connection_closed_reason_cb = [this](const EndPointAddress& remote,
+                                                 const std::vector<std::uint64_t>& keys,
+                                                 const CloseReason& reason) {
     const std::lock_guard buffers{m_buffer_mutex};  // see lock_buffers()
     const auto now = Clock::now();
     update([&]() -> std::string {
@@ -206,6 +207,7 @@ NetworkConfig Observer::config(NetworkMode mode) {
       conn->closed = true;
       conn->closed_at = now;
       conn->cancelled_keys = keys;
+      conn->close_reason = reason;
       for (const auto& [id, stream] : m_streams) conn->received_at_close[id] = stream.received;
       Ledger& ledger = conn->ledger;
       for (std::size_t i = 0; i < keys.size(); ++i) {
@@ -221,8 +223,8 @@ NetworkConfig Observer::config(NetworkMode mode) {
         received += stream.received;
         bad += stream.bad;
       }
-      return fmt::format("CLOSED at_us={} remote={} cancelled={} received={} bad={}",
-                         monotonic_us(now), remote, keys.size(), received, bad);
+      return fmt::format("CLOSED at_us={} remote={} cancelled={} received={} bad={} cause={}",
+                         monotonic_us(now), remote, keys.size(), received, bad, reason.cause);
     });
   };
   config.on_connection_refused_cb = [this](const EndPointAddress& remote) {

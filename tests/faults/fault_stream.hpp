@@ -91,6 +91,7 @@ struct ConnectionState {
   bool closed{false};
   Clock::time_point closed_at{};
   std::vector<std::uint64_t> cancelled_keys;
+  CloseReason close_reason;                                  // on_connection_closed_reason_cb
   std::map<std::uint64_t, std::uint64_t> received_at_close;  // stream id -> received
   Ledger ledger;
 };

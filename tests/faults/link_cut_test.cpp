@@ -253,10 +253,14 @@ TEST_P(LinkCut, BothSidesReportTheCloseWithinThePeerTimeout) {
     EXPECT_LE(*after, static_cast<double>(std::chrono::milliseconds{LATEST}.count()))
         << name << " closed too late";
     EXPECT_EQ(peer->wait(), 0) << peer->describe();
-    // The reason, in the peer's log: its heartbeats stopped (not a TCP error).
+    // The reason, in the peer's log: its heartbeats stopped (not a TCP error); and what its
+    // on_connection_closed_reason_cb said.
     EXPECT_NE(peer->err().find("(limits.peer_timeout)"), std::string::npos)
         << name << " was not closed by the peer timeout\n"
         << peer->describe();
+    const auto closed = line_starting(peer->out(), "CLOSED ");
+    ASSERT_TRUE(closed.has_value()) << peer->describe();
+    EXPECT_NE(closed->find(" cause=timed_out"), std::string::npos) << *closed;
   }
   // Every send that returned OK was reported once, the outstanding ones as cancelled.
   const auto ledger = line_starting(sender->out(), "LEDGER ");

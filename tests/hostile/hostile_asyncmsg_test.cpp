@@ -13,6 +13,8 @@
 // on poll() for raw sockets, or (for quantities nothing notifies about: fd counts, kernel
 // socket queues) on a condition re-checked until a deadline.
 
+#include <gmock/gmock.h>
+
 #include "hostile_support.hpp"
 
 namespace netio3::hostile {
@@ -129,6 +131,11 @@ TEST_F(HostileAsyncmsg, UnknownFrameType) {
     EXPECT_TRUE(m_checker.wait_received(stream, 1, PROMPT));
     EXPECT_TRUE(wait_server_event(Recorder::Kind::CLOSED, peer.local()));
     EXPECT_EQ(m_checker.received(stream), 1U) << "data after a bad frame was delivered";
+    // on_connection_closed_reason_cb: a protocol error, with the decoder's words.
+    const auto reason = server_close_reason(peer.local());
+    ASSERT_TRUE(reason.has_value());
+    EXPECT_EQ(reason->cause, netio3::CloseCause::PROTOCOL_ERROR) << reason->message;
+    EXPECT_THAT(reason->message, ::testing::HasSubstr(bad_frame_reason(type))) << reason->message;
   }
   finish();
 }
@@ -201,8 +208,13 @@ TEST_F(HostileAsyncmsg, HalfFrameThenSilenceThenPeerCloses) {
     EXPECT_EQ(server_events(Recorder::Kind::CLOSED, peer.local()), 0U);
     peer.close();  // vanishes mid-message
     EXPECT_TRUE(wait_server_event(Recorder::Kind::CLOSED, peer.local()));
-    EXPECT_TRUE(m_logs.wait_line(peer.local(), {"peer closed the connection"})) << m_logs.dump();
+    EXPECT_TRUE(m_logs.wait_line(peer.local(), {"closed by the peer in the middle of a message"}))
+        << m_logs.dump();
     EXPECT_EQ(m_checker.received(stream), 0U) << "a partial message was delivered";
+    // Not an orderly close: the peer vanished mid-message.
+    const auto reason = server_close_reason(peer.local());
+    ASSERT_TRUE(reason.has_value());
+    EXPECT_EQ(reason->cause, netio3::CloseCause::PEER_LOST) << reason->message;
   }
   finish();
 }

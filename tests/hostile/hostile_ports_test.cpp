@@ -366,22 +366,20 @@ TEST_P(PortsAtTheLimit, TheListenerPausesLogsOnceAndRecovers) {
 // (a loaded machine). The loop then armed the worker although UCX had more to do: the
 // connections UCX's listener had accepted (the server has no endpoint yet) stayed unread
 // until something else woke the loop - seen in CI under load, every time with this budget.
-INSTANTIATE_TEST_SUITE_P(Servers, Ports,
-                         ::testing::Values(Target{BackendType::ASYNCMSG, NetworkMode::TCP},
-                                           Target{BackendType::LIBFABRIC, NetworkMode::TCP},
-                                           Target{BackendType::UCX, NetworkMode::TCP},
-                                           Target{BackendType::UCX, NetworkMode::RDMA},
-                                           Target{BackendType::UCX, NetworkMode::TCP,
-                                                  "NETIO3_UCX_PROGRESS_BUDGET_US=0", "_budget0"},
-                                           Target{BackendType::ASYNCMSG, NetworkMode::TCP, "",
-                                                  "_keyed", "hostile-suite-partition-key"},
-                                           Target{BackendType::UCX, NetworkMode::TCP, "", "_keyed",
-                                                  "hostile-suite-partition-key"},
-                                           Target{BackendType::UCX, NetworkMode::RDMA, "",
-                                                  "_keyed", "hostile-suite-partition-key"},
-                                           Target{BackendType::LIBFABRIC, NetworkMode::TCP, "",
-                                                  "_keyed", "hostile-suite-partition-key"}),
-                         target_name);
+INSTANTIATE_TEST_SUITE_P(
+    Servers, Ports,
+    ::testing::Values(
+        Target{BackendType::ASYNCMSG, NetworkMode::TCP},
+        Target{BackendType::LIBFABRIC, NetworkMode::TCP},
+        Target{BackendType::UCX, NetworkMode::TCP}, Target{BackendType::UCX, NetworkMode::RDMA},
+        Target{BackendType::UCX, NetworkMode::TCP, "NETIO3_UCX_PROGRESS_BUDGET_US=0", "_budget0"},
+        Target{BackendType::ASYNCMSG, NetworkMode::TCP, "", "_keyed",
+               "hostile-suite-partition-key"},
+        Target{BackendType::UCX, NetworkMode::TCP, "", "_keyed", "hostile-suite-partition-key"},
+        Target{BackendType::UCX, NetworkMode::RDMA, "", "_keyed", "hostile-suite-partition-key"},
+        Target{BackendType::LIBFABRIC, NetworkMode::TCP, "", "_keyed",
+               "hostile-suite-partition-key"}),
+    target_name);
 INSTANTIATE_TEST_SUITE_P(Servers, PortsAtTheLimit,
                          ::testing::Values(Target{BackendType::ASYNCMSG, NetworkMode::TCP},
                                            Target{BackendType::ASYNCMSG, NetworkMode::TCP, "",

@@ -705,7 +705,10 @@ class HostileListener : public ::testing::Test {
   // Server backend + listener, legitimate client connected and streaming. Fatal failures
   // here abort the test (call through ASSERT_NO_FATAL_FAILURE).
   void start(NetworkLimits limits = patient_limits(), std::size_t legit_max = 200'000) {
-    auto config = m_server_rec.config(netio3::ThreadSafetyModel::SAFE, m_mode);
+    // With reasons: a hostile connection that was established ends as a protocol error.
+    auto config = m_server_rec.config(netio3::ThreadSafetyModel::SAFE, m_mode,
+                                      Recorder::Callbacks::WITH_SENDER_AND_REASON);
+    config.on_data_from_cb = {};
     config.on_data_cb = [this](std::span<const std::uint8_t> data) { m_checker.on_message(data); };
     config.limits = limits;
     config.partition_key = m_partition_key;
@@ -747,6 +750,16 @@ class HostileListener : public ::testing::Test {
 
   bool wait_server_event(Recorder::Kind kind, const EndPointAddress& remote, std::size_t n = 1) {
     return m_server_rec.wait([&](const Recorder& r) { return r.count(kind, remote) >= n; }, PROMPT);
+  }
+
+  // The reason the server's closed callback gave for `remote` (its last end).
+  [[nodiscard]] std::optional<netio3::CloseReason> server_close_reason(
+      const EndPointAddress& remote) {
+    std::optional<netio3::CloseReason> reason;
+    for (const auto& e : m_server_rec.snapshot()) {
+      if (e.kind == Recorder::Kind::CLOSED && e.remote == remote) reason = e.closed;
+    }
+    return reason;
   }
 
   [[nodiscard]] std::size_t server_events(Recorder::Kind kind, const EndPointAddress& remote) {

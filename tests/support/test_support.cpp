@@ -239,11 +239,20 @@ NetworkConfig Recorder::config(ThreadSafetyModel model, NetworkMode mode, Callba
                                                EndpointCapabilities caps) {
     record(Event{.kind = Kind::ESTABLISHED, .remote = remote, .caps = caps}, {});
   };
-  config.on_connection_closed_cb = [this](const EndPointAddress& remote,
-                                          const std::vector<std::uint64_t>& keys) {
-    { const std::unique_lock wait_for_buffer_users{m_buffer_guard}; }
-    record(Event{.kind = Kind::CLOSED, .remote = remote, .keys = keys}, {});
-  };
+  if (callbacks == Callbacks::DOCUMENTED) {
+    config.on_connection_closed_cb = [this](const EndPointAddress& remote,
+                                            const std::vector<std::uint64_t>& keys) {
+      { const std::unique_lock wait_for_buffer_users{m_buffer_guard}; }
+      record(Event{.kind = Kind::CLOSED, .remote = remote, .keys = keys}, {});
+    };
+  } else {
+    config.on_connection_closed_reason_cb = [this](const EndPointAddress& remote,
+                                                   const std::vector<std::uint64_t>& keys,
+                                                   const CloseReason& reason) {
+      { const std::unique_lock wait_for_buffer_users{m_buffer_guard}; }
+      record(Event{.kind = Kind::CLOSED, .remote = remote, .keys = keys, .closed = reason}, {});
+    };
+  }
   config.on_send_completed_cb = [this](const EndPointAddress& remote, std::uint64_t key) {
     record(Event{.kind = Kind::COMPLETED, .remote = remote, .key = key}, {});
   };

@@ -153,8 +153,9 @@ class Recorder {
  public:
   // READY: on_ready_to_send_cb.
   enum class Kind { ESTABLISHED, CLOSED, REFUSED, COMPLETED, DATA, READY };
-  // Which of the callback variants config() sets: the documented on_data_cb and
-  // on_connection_refused_cb, or on_data_from_cb and on_connection_refused_reason_cb.
+  // Which of the callback variants config() sets: the documented on_data_cb,
+  // on_connection_refused_cb and on_connection_closed_cb, or on_data_from_cb,
+  // on_connection_refused_reason_cb and on_connection_closed_reason_cb.
   enum class Callbacks { DOCUMENTED, WITH_SENDER_AND_REASON };
   struct Event {
     Kind kind{};
@@ -166,6 +167,7 @@ class Recorder {
     std::size_t size{};                 // DATA
     std::thread::id thread{};
     RefusalReason refusal{};  // REFUSED with Callbacks::WITH_SENDER_AND_REASON
+    CloseReason closed{};     // CLOSED with Callbacks::WITH_SENDER_AND_REASON
   };
 
   // A NetworkConfig whose callbacks all feed this recorder. `on_data` (optional) is

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include <fmt/format.h>
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <netio3/log.hpp>
 #include <netio3/netio3.hpp>
@@ -453,7 +454,8 @@ TEST(UcxReceive, APeerWhoseMessagesWaitForAMissingOneIsClosedAtTheReceiveMemoryL
   Recorder server_rec;
   Recorder client_rec;
   LoopThread loop;
-  auto server_config = server_rec.config(ThreadSafetyModel::SAFE, NetworkMode::TCP);
+  auto server_config = server_rec.config(ThreadSafetyModel::SAFE, NetworkMode::TCP,
+                                         Recorder::Callbacks::WITH_SENDER_AND_REASON);
   server_config.limits.max_receive_memory = LIMIT;
   server_config.limits.max_message_size = SIZE * 2;
   auto server = Netio3Backend::create(BackendType::UCX, server_config, loop.loop());
@@ -497,6 +499,11 @@ TEST(UcxReceive, APeerWhoseMessagesWaitForAMissingOneIsClosedAtTheReceiveMemoryL
       << sent << " bytes sent)";
   EXPECT_EQ(server_rec.count_now(Recorder::Kind::DATA), 0U) << "nothing is in order";
   EXPECT_GE(log.count("would exceed limits.max_receive_memory"), 1U);
+  for (const auto& e : server_rec.snapshot()) {
+    if (e.kind != Recorder::Kind::CLOSED) continue;
+    EXPECT_EQ(e.closed.cause, CloseCause::PROTOCOL_ERROR) << e.closed.message;
+    EXPECT_THAT(e.closed.message, ::testing::HasSubstr("limits.max_receive_memory"));
+  }
   EXPECT_LT(sent, FLOOD) << "the flood ran to its end before the close";
   // The flood's bytes are not kept: at most the limit, and the allocator's slack, on top.
   const std::size_t rss_after = rss_bytes();

@@ -526,7 +526,7 @@ bool Backend::not_admitted(const std::shared_ptr<Connection>& conn, std::string_
 bool Backend::setup_protocol_error(const std::shared_ptr<Connection>& conn, std::string_view what) {
   const auto reason = fmt::format("protocol error: {}", what);
   NETIO3_WARN("asyncmsg: closing connection with {}: {}", conn->remote, reason);
-  refuse(conn, RefusalCause::SETUP_FAILED, reason);
+  refuse(conn, RefusalCause::SETUP_FAILED, reason, CloseCause::PROTOCOL);
   return false;
 }
 
@@ -552,7 +552,7 @@ bool Backend::on_message(const std::shared_ptr<Connection>& conn,
     const auto reason =
         fmt::format("protocol error: a heartbeat frame with {} bytes of body", message.size());
     NETIO3_WARN("asyncmsg: closing connection with {}: {}", conn->remote, reason);
-    close(conn, reason, CloseCause::ERROR);
+    close(conn, reason, CloseCause::PROTOCOL);
     return false;
   }
   conn->large_messages = message.size() >= FrameDecoder::DIRECT_MIN;
@@ -663,7 +663,10 @@ void Backend::read_available(const std::shared_ptr<Connection>& conn) {
         // Abnormal: the peer vanished in the middle of a message; the part is dropped.
         NETIO3_WARN("asyncmsg: connection with {} closed by the peer in the middle of a message",
                     conn->remote);
-        close(conn, "peer closed the connection in the middle of a message", CloseCause::PEER);
+        close(conn,
+              "the peer's end of the connection came in the middle of a message (a peer "
+              "that vanished)",
+              CloseCause::ERROR);
       } else if (conn->setting_up()) {
         close(conn, "the peer closed the connection before its netio3 greeting", CloseCause::PEER);
       } else {
@@ -785,7 +788,7 @@ bool Backend::after_decode(const std::shared_ptr<Connection>& conn, FrameDecoder
       refuse(
           conn,
           conn->decoder.greeting_rejected() ? RefusalCause::REJECTED : RefusalCause::SETUP_FAILED,
-          conn->decoder.error());
+          conn->decoder.error(), CloseCause::PROTOCOL);
       return false;
     case FrameDecoder::Status::STOPPED:
       return false;

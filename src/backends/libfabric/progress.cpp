@@ -302,11 +302,15 @@ void Backend::on_completion(const Domain& domain, const fi_cq_data_entry& entry)
 
 void Backend::on_completion_error(Domain& domain, const fi_cq_err_entry& err) {
   auto* op = static_cast<Op*>(err.op_context);
-  std::array<char, 256> detail_text{};
-  const char* detail = fi_cq_strerror(domain.cq(), err.prov_errno, err.err_data, detail_text.data(),
-                                      detail_text.size());
-  const std::string why =
-      fmt::format("{} ({})", fi_strerror(err.err), detail != nullptr ? detail : "");
+  // The provider's own words only where it has some: for prov_errno 0 they read "Success",
+  // and the tcp provider's errno-based ones ("Function not implemented") say nothing more.
+  std::string why = fi_strerror(err.err);
+  if (err.prov_errno != 0 && err.prov_errno != err.err) {
+    std::array<char, 256> detail_text{};
+    const char* detail = fi_cq_strerror(domain.cq(), err.prov_errno, err.err_data,
+                                        detail_text.data(), detail_text.size());
+    if (detail != nullptr && *detail != '\0') why = fmt::format("{} ({})", why, detail);
+  }
   if (op == nullptr) {
     NETIO3_WARN("libfabric: completion error without context: {}", why);
     return;
@@ -325,11 +329,13 @@ void Backend::on_completion_error(Domain& domain, const fi_cq_err_entry& err) {
     return;
   }
   if (auto shared = m_registry.by_id(conn->id)) {
+    const bool too_large = err.err == FI_ETRUNC;
     const auto reason =
         fmt::format("receive failed: {}{}", why,
-                    err.err == FI_ETRUNC ? " (message larger than the receive buffers)" : "");
+                    too_large ? " (a message larger than the receive buffers)" : "");
     NETIO3_WARN("libfabric: connection with {}: {}", conn->remote, reason);
-    close(shared, reason, CloseCause::ERROR);
+    // A message over the receive buffers' size is the peer's fault (it was told the size).
+    close(shared, reason, too_large ? CloseCause::PROTOCOL : CloseCause::ERROR);
   }
 }
 

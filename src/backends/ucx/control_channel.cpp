@@ -254,7 +254,7 @@ bool Backend::reconnect_from_new_source_port(const std::shared_ptr<Connection>& 
 
 void Backend::protocol_error_now(const std::shared_ptr<Connection>& conn, const std::string& why) {
   NETIO3_WARN("ucx: closing connection with {}: {}", conn->remote, why);
-  close(conn, why, CloseCause::ERROR);
+  close(conn, why, CloseCause::PROTOCOL);
 }
 
 bool Backend::on_control_frame(const std::shared_ptr<Connection>& conn,
@@ -636,7 +636,10 @@ void Backend::on_endpoint_error(std::uint64_t id, ucs_status_t status) {
   if (it == m_endpoints.end()) return;
   const auto endpoint = it->second;
   endpoint->failed = true;
-  close_endpoint(endpoint, fmt::format("connection lost: {}", status_text(status)));
+  // UCX's status says how its transport noticed (a reset reads "Endpoint timeout" on tcp),
+  // not why the peer went.
+  close_endpoint(endpoint, fmt::format("the connection to the peer's worker was lost (UCX: {})",
+                                       status_text(status)));
 }
 
 }  // namespace netio3::ucx

@@ -480,7 +480,7 @@ void Backend::handle(Event& event) {
   if (event.kind == Event::Kind::SEND_DONE) {
     on_send_done(conn, event.slot, event.status);
   } else {
-    close(conn, event.reason, CloseCause::ERROR);
+    close(conn, event.reason, CloseCause::PROTOCOL);  // protocol_error()
   }
 }
 

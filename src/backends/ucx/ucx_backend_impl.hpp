@@ -469,9 +469,9 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
   static ucs_status_t am_callback(void* arg, const void* header, std::size_t header_length,
                                   void* data, std::size_t length, const ucp_am_recv_param_t* param);
   // A message on an active message id netio3 does not use: dropped (a stranger's worker).
-  static ucs_status_t stranger_am_callback(void* arg, const void* header,
-                                           std::size_t header_length, void* data,
-                                           std::size_t length, const ucp_am_recv_param_t* param);
+  static ucs_status_t stranger_am_callback(void* arg, const void* header, std::size_t header_length,
+                                           void* data, std::size_t length,
+                                           const ucp_am_recv_param_t* param);
 
   // A message arrived (inside ucp_worker_progress): file it in its connection's inbox.
   ucs_status_t on_message(std::span<const std::uint8_t> header, void* data, std::size_t length,
