@@ -58,15 +58,21 @@ class ConnectionRefused(_n.NetioException):
 class ConnectionClosed(_n.NetioException):
     """The connection ended: raised by ``recv`` once every message that arrived was read, and
     by a send that it cancelled (``key``: that send's key; ``cancelled_keys``: every key the
-    close cancelled, in send order)."""
+    close cancelled, in send order). ``reason`` is the backend's ``CloseReason`` (None where
+    the connection ended before it was set up) and ``cause`` its ``CloseCause``: LOCAL,
+    PEER_CLOSED, PEER_LOST, TIMED_OUT or PROTOCOL_ERROR."""
 
     def __init__(self, remote: Address, key: Optional[int] = None,
-                 cancelled_keys: tuple[int, ...] = ()):
+                 cancelled_keys: tuple[int, ...] = (),
+                 reason: Optional[_n.CloseReason] = None):
         what = f"; send {key} was cancelled" if key is not None else ""
-        super().__init__(f"connection with {_text(remote)} closed{what}")
+        why = f" ({reason.cause.name}: {reason.message})" if reason is not None else ""
+        super().__init__(f"connection with {_text(remote)} closed{why}{what}")
         self.remote = remote
         self.key = key
         self.cancelled_keys = cancelled_keys
+        self.reason = reason
+        self.cause = reason.cause if reason is not None else None
 
 
 class SendFailed(_n.NetioException):
@@ -226,10 +232,10 @@ class _Backend:
             if s is not None and not s.exiting:
                 s._established(remote, capabilities)
 
-        def on_closed(remote, keys):
+        def on_closed(remote, keys, reason):
             s = ref()
             if s is not None:
-                s._closed(remote, keys)  # also while exiting: release() waits for it
+                s._closed(remote, keys, reason)  # also while exiting: release() waits for it
 
         def on_refused(remote, reason):
             s = ref()
@@ -254,7 +260,7 @@ class _Backend:
             mode=options.mode,
             on_data_from_cb=on_data,
             on_connection_established_cb=on_established,
-            on_connection_closed_cb=on_closed,
+            on_connection_closed_reason_cb=on_closed,
             on_connection_refused_reason_cb=on_refused,
             on_send_completed_cb=on_completed,
             on_ready_to_send_cb=on_ready,
@@ -310,7 +316,7 @@ class _Backend:
         elif self.listener is not None:
             self.listener._accepted(connection)
 
-    def _closed(self, remote, keys) -> None:
+    def _closed(self, remote, keys, reason) -> None:
         connection = self.connections.pop(remote, None)
         if self.exiting:
             return
@@ -318,7 +324,7 @@ class _Backend:
         if future is not None and not future.done():  # closed during set-up by the application
             future.cancel()
         if connection is not None:
-            connection._ended(tuple(keys))
+            connection._ended(tuple(keys), reason)
         if not self.connections:
             for waiter in self.closing_waiters:
                 if not waiter.done():
@@ -377,10 +383,11 @@ class _Options:
         self.num_buffers = num_buffers
         self.receive = _n.Receive.BYTES
         self.limits = limits if limits is not None else _n.NetworkLimits()
-        if max_message_size + _n.MAX_HEADER_SIZE > self.limits.max_message_size:
-            self.limits.max_message_size = max_message_size + _n.MAX_HEADER_SIZE
-            self.limits.max_receive_memory = max(self.limits.max_receive_memory,
-                                                 self.limits.max_message_size)
+        # The largest message, on every backend: what is sent and what is accepted from a
+        # peer (asyncmsg and UCX otherwise took up to the C++ default of 64 MiB).
+        self.limits.max_message_size = max_message_size + _n.MAX_HEADER_SIZE
+        self.limits.max_receive_memory = max(self.limits.max_receive_memory,
+                                             self.limits.max_message_size)
 
 
 # ---- connections -------------------------------------------------------------------------
@@ -403,6 +410,8 @@ class Connection:
         self._closed = False
         self._close_waiter: Optional[asyncio.Future] = None
         self.cancelled_keys: tuple[int, ...] = ()
+        #: Why it ended (a CloseReason), once it did.
+        self.close_reason: Optional[_n.CloseReason] = None
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
@@ -418,8 +427,12 @@ class Connection:
     def _try_send(self, data: Buffer, header: Optional[Buffer],
                   zero_copy: Optional[bool]) -> Optional[asyncio.Future]:
         if self._closed:
-            raise ConnectionClosed(self.remote)
+            raise ConnectionClosed(self.remote, reason=self.close_reason)
         owner = self._owner
+        size = memoryview(data).nbytes
+        if size > owner.options.max_message_size:
+            raise SendFailed(f"send to {_text(self.remote)}: a message of {size} bytes exceeds "
+                             f"max_message_size ({owner.options.max_message_size} bytes)")
         backend = owner.backend
         mode = owner.send_mode if zero_copy is None else ("zero-copy" if zero_copy else "copy")
         if mode == "buffered":
@@ -490,7 +503,8 @@ class Connection:
         if self._messages:
             return self._messages.popleft()
         if self._closed:
-            raise ConnectionClosed(self.remote, cancelled_keys=self.cancelled_keys)
+            raise ConnectionClosed(self.remote, cancelled_keys=self.cancelled_keys,
+                                   reason=self.close_reason)
         if self._recv_waiter is not None:
             raise RuntimeError("another coroutine is already waiting in recv()")
         waiter = self._recv_waiter = self._aloop.create_future()
@@ -554,18 +568,19 @@ class Connection:
             if not waiter.done():
                 waiter.set_result(None)
 
-    def _ended(self, keys: tuple[int, ...]) -> None:
+    def _ended(self, keys: tuple[int, ...], reason: Optional[_n.CloseReason] = None) -> None:
         self._closed = True
         self.cancelled_keys = keys
+        self.close_reason = reason
         self._spare = None
         pending, self._pending = self._pending, {}
         for key in keys:
             future = pending.pop(key, None)
             if future is not None:
-                _fail_quietly(future, ConnectionClosed(self.remote, key, keys))
+                _fail_quietly(future, ConnectionClosed(self.remote, key, keys, reason))
         for future in pending.values():  # not reported: cannot happen, but never hang
-            _fail_quietly(future, ConnectionClosed(self.remote, None, keys))
-        closed = ConnectionClosed(self.remote, cancelled_keys=keys)
+            _fail_quietly(future, ConnectionClosed(self.remote, None, keys, reason))
+        closed = ConnectionClosed(self.remote, cancelled_keys=keys, reason=reason)
         for waiter in self._ready_waiters:
             _fail_quietly(waiter, closed)
         self._ready_waiters.clear()

@@ -159,12 +159,18 @@ Backend::Backend(BackendType type, PyConfig config, std::shared_ptr<Loop> loop)
     throw InvalidConfiguration(
         "set one of on_connection_refused_cb and on_connection_refused_reason_cb");
   }
+  if (!config.on_connection_closed_cb.is_none() &&
+      !config.on_connection_closed_reason_cb.is_none()) {
+    throw InvalidConfiguration(
+        "set one of on_connection_closed_cb and on_connection_closed_reason_cb");
+  }
   State* s = m_state.get();  // outlives the C++ backend (close() destroys that first)
   s->receive = config.receive;
   s->on_data = SharedRef{config.on_data_cb};
   s->on_data_from = SharedRef{config.on_data_from_cb};
   s->established = SharedRef{config.on_connection_established_cb};
   s->closed = SharedRef{config.on_connection_closed_cb};
+  s->closed_reason = SharedRef{config.on_connection_closed_reason_cb};
   s->refused = SharedRef{config.on_connection_refused_cb};
   s->refused_reason = SharedRef{config.on_connection_refused_reason_cb};
   s->completed = SharedRef{config.on_send_completed_cb};
@@ -196,11 +202,18 @@ Backend::Backend(BackendType type, PyConfig config, std::shared_ptr<Loop> loop)
       }
     });
   };
-  c.on_connection_closed_cb = [s](const EndPointAddress& remote,
-                                  const std::vector<std::uint64_t>& keys) {
+  // Always with the reason; the Python callable of either variant is called.
+  c.on_connection_closed_reason_cb = [s](const EndPointAddress& remote,
+                                         const std::vector<std::uint64_t>& keys,
+                                         const CloseReason& reason) {
     with_python(s, [&] {
       const py::object address = s->end_connection(remote);
-      if (s->closed) {
+      if (s->closed_reason) {
+        const py::list cancelled = py::cast(keys);
+        const py::object why = py::cast(reason);
+        call_guarded("on_connection_closed_reason_cb", s->closed_reason.handle(), address.ptr(),
+                     cancelled.ptr(), why.ptr());
+      } else if (s->closed) {
         const py::list cancelled = py::cast(keys);
         call_guarded("on_connection_closed_cb", s->closed.handle(), address.ptr(), cancelled.ptr());
       }
@@ -521,8 +534,26 @@ inside it; netio3 holds it until the connection ends.)doc")
       .def_readwrite("buf_size", &SharedSendBuffers::buf_size)
       .def_readwrite("num_buf", &SharedSendBuffers::num_buf);
   py::class_<NetworkLimits>(m, "NetworkLimits",
-                            "Bounds that protect a process (C++ NetworkLimits).")
-      .def(py::init<>())
+                            "Bounds that protect a process (C++ NetworkLimits). Every member "
+                            "may be given as a keyword: NetworkLimits(connect_timeout=2).")
+      .def(py::init([](const py::object& max_message_size, const py::object& max_unsent_bytes,
+                       const py::object& max_receive_memory, const py::object& connect_timeout,
+                       const py::object& close_timeout, const py::object& peer_timeout) {
+             NetworkLimits l{};
+             if (!max_message_size.is_none()) l.max_message_size = max_message_size.cast<std::size_t>();
+             if (!max_unsent_bytes.is_none()) l.max_unsent_bytes = max_unsent_bytes.cast<std::size_t>();
+             if (!max_receive_memory.is_none()) {
+               l.max_receive_memory = max_receive_memory.cast<std::size_t>();
+             }
+             if (!connect_timeout.is_none()) l.connect_timeout = to_milliseconds(connect_timeout);
+             if (!close_timeout.is_none()) l.close_timeout = to_milliseconds(close_timeout);
+             if (!peer_timeout.is_none()) l.peer_timeout = to_milliseconds(peer_timeout);
+             return l;
+           }),
+           py::kw_only(), py::arg("max_message_size") = py::none(),
+           py::arg("max_unsent_bytes") = py::none(), py::arg("max_receive_memory") = py::none(),
+           py::arg("connect_timeout") = py::none(), py::arg("close_timeout") = py::none(),
+           py::arg("peer_timeout") = py::none())
       .def_readwrite("max_message_size", &NetworkLimits::max_message_size)
       .def_readwrite("max_unsent_bytes", &NetworkLimits::max_unsent_bytes)
       .def_readwrite("max_receive_memory", &NetworkLimits::max_receive_memory)
@@ -544,6 +575,8 @@ Everything a backend is created with (C++ NetworkConfig), with Python callables 
 callbacks. Every callback is optional and runs on the loop's thread:
 on_data_cb(data), on_data_from_cb(remote, data), on_connection_established_cb(remote,
 capabilities), on_connection_closed_cb(remote, cancelled_keys),
+on_connection_closed_reason_cb(remote, cancelled_keys, reason) (instead of
+on_connection_closed_cb: a CloseReason with the CloseCause and the message),
 on_connection_refused_cb(remote), on_connection_refused_reason_cb(remote, reason),
 on_send_completed_cb(remote, key), on_ready_to_send_cb(remote). `receive` is
 Receive.BYTES (data is a bytes copy) or Receive.MEMORYVIEW (a read-only view valid during the
@@ -561,7 +594,7 @@ RefusalCause.NOT_ADMITTED with the server's reason.)doc")
                        NetworkLimits limits, py::object on_ready_to_send_cb,
                        py::object on_data_from_cb, py::object on_connection_refused_reason_cb,
                        Receive receive, std::string partition_key, std::string identity,
-                       py::object on_accept_cb) {
+                       py::object on_accept_cb, py::object on_connection_closed_reason_cb) {
              return PyConfig{mode,
                              thread_safety,
                              shared_receive_buffers,
@@ -578,7 +611,8 @@ RefusalCause.NOT_ADMITTED with the server's reason.)doc")
                              receive,
                              std::move(partition_key),
                              std::move(identity),
-                             std::move(on_accept_cb)};
+                             std::move(on_accept_cb),
+                             std::move(on_connection_closed_reason_cb)};
            }),
            py::kw_only(), py::arg("mode") = NetworkMode::TCP,
            py::arg("thread_safety") = ThreadSafetyModel::SAFE,
@@ -591,7 +625,8 @@ RefusalCause.NOT_ADMITTED with the server's reason.)doc")
            py::arg("on_ready_to_send_cb") = py::none(), py::arg("on_data_from_cb") = py::none(),
            py::arg("on_connection_refused_reason_cb") = py::none(),
            py::arg("receive") = Receive::BYTES, py::arg("partition_key") = std::string{},
-           py::arg("identity") = std::string{}, py::arg("on_accept_cb") = py::none())
+           py::arg("identity") = std::string{}, py::arg("on_accept_cb") = py::none(),
+           py::arg("on_connection_closed_reason_cb") = py::none())
       .def_readwrite("mode", &PyConfig::mode)
       .def_readwrite("thread_safety", &PyConfig::thread_safety)
       .def_readwrite("shared_receive_buffers", &PyConfig::shared_receive_buffers)
@@ -608,7 +643,8 @@ RefusalCause.NOT_ADMITTED with the server's reason.)doc")
       .def_readwrite("receive", &PyConfig::receive)
       .def_readwrite("partition_key", &PyConfig::partition_key)
       .def_readwrite("identity", &PyConfig::identity)
-      .def_readwrite("on_accept_cb", &PyConfig::on_accept_cb);
+      .def_readwrite("on_accept_cb", &PyConfig::on_accept_cb)
+      .def_readwrite("on_connection_closed_reason_cb", &PyConfig::on_connection_closed_reason_cb);
 
   py::class_<PyNetworkBuffer>(m, "NetworkBuffer", R"doc(
 A send buffer lent by NetworkBackend.get_buffer: write into it, then send_buffer(). It is

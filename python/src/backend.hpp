@@ -52,6 +52,7 @@ struct PyConfig {
   std::string partition_key;
   std::string identity;
   py::object on_accept_cb = py::none();  // on_accept_cb(PeerInfo) -> AcceptDecision | bool
+  py::object on_connection_closed_reason_cb = py::none();  // (remote, cancelled_keys, reason)
 };
 
 // What the Python side keeps per connection (created when it is established, or at the
@@ -67,7 +68,8 @@ struct Connection {
 struct State {
   bool alive{true};  // false once the backend is being destroyed: no callback reaches Python
   Receive receive{Receive::BYTES};
-  SharedRef on_data, on_data_from, established, closed, refused, refused_reason, completed, ready;
+  SharedRef on_data, on_data_from, established, closed, closed_reason, refused, refused_reason,
+      completed, ready;
   SharedRef accept;
   std::unordered_map<EndPointAddress, Connection> connections;
   // Zero-copy regions (send_zero_copy_params from a Python object): an active endpoint's

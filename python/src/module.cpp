@@ -58,6 +58,18 @@ void bind_types(py::module_& m) {
                ", send_zero_copy=" + (c.send_zero_copy ? "True" : "False") +
                ", receive=" + (c.receive ? "True" : "False") + ")";
       });
+  py::enum_<CloseCause>(m, "CloseCause", "Why an established connection ended.")
+      .value("LOCAL", CloseCause::LOCAL)
+      .value("PEER_CLOSED", CloseCause::PEER_CLOSED)
+      .value("PEER_LOST", CloseCause::PEER_LOST)
+      .value("TIMED_OUT", CloseCause::TIMED_OUT)
+      .value("PROTOCOL_ERROR", CloseCause::PROTOCOL_ERROR);
+  py::class_<CloseReason>(m, "CloseReason", "Why a connection ended.")
+      .def_readonly("cause", &CloseReason::cause)
+      .def_readonly("message", &CloseReason::message)
+      .def("__repr__", [](const CloseReason& r) {
+        return "CloseReason(" + std::string{to_string(r.cause)} + ": " + r.message + ")";
+      });
   py::class_<RefusalReason>(m, "RefusalReason", "Why a connection was refused.")
       .def_readonly("cause", &RefusalReason::cause)
       .def_readonly("message", &RefusalReason::message)

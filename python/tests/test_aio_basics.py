@@ -113,6 +113,31 @@ async def test_a_peer_killed_mid_stream_fails_every_pending_send_once_with_its_k
     assert len(set(keys)) == len(keys) == len(pending)
     assert set(keys) <= set(client.cancelled_keys)
     assert client.closed
+    # Why: the receiver with unread data was killed (a reset, or UCX's missing BYE).
+    assert results[0].reason is not None
+    assert results[0].cause in (netio3.CloseCause.PEER_LOST, netio3.CloseCause.PEER_CLOSED)
+    assert results[0].cause != netio3.CloseCause.LOCAL
+    assert results[0].reason.message in str(results[0])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_connection_closed_says_why_on_both_sides(backend):
+    async with netio3.Context(backend) as context:
+        listener = await context.listen(("127.0.0.1", 0))
+        client = await netio3.Context(backend).connect(listener.address)
+        accepted = await listener.accept()
+        await client.send(b"last words")
+        await client.close()
+        assert await accepted.recv() == b"last words"  # delivered before the end
+        with pytest.raises(netio3.ConnectionClosed) as peer_side:
+            await accepted.recv()
+        assert peer_side.value.cause == netio3.CloseCause.PEER_CLOSED
+        assert peer_side.value.reason.message == "peer closed the connection"
+        assert "PEER_CLOSED" in str(peer_side.value)
+        with pytest.raises(netio3.ConnectionClosed) as local_side:
+            await client.recv()
+        assert local_side.value.cause == netio3.CloseCause.LOCAL
+        assert client.close_reason.cause == netio3.CloseCause.LOCAL
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -142,3 +167,20 @@ async def test_a_context_admits_the_holders_of_its_key_that_its_accept_function_
         assert refused.value.cause == netio3.RefusalCause.NOT_ADMITTED
         assert "failed to prove the partition key" in str(refused.value)
     assert asked == ["ros-1", "laptop"], "the function is asked only about holders of the key"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_max_message_size_bounds_every_backend_and_a_larger_send_is_send_failed(backend):
+    async with netio3.Context(backend, max_message_size=4096) as context:
+        listener = await context.listen(("127.0.0.1", 0))
+        client = await netio3.Context(backend, max_message_size=4096).connect(listener.address)
+        accepted = await listener.accept()
+        await client.send(bytes(4096))  # the largest allowed
+        assert len(await accepted.recv()) == 4096
+        with pytest.raises(netio3.SendFailed) as failed:
+            await client.send(bytes(4097))
+        assert "exceeds max_message_size (4096 bytes)" in str(failed.value)
+        with pytest.raises(TypeError):  # one buffer per message, on every backend
+            await client.send([b"ab", b"cd"])
+        await client.send(b"still open")
+        assert await accepted.recv() == b"still open"

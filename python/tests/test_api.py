@@ -467,3 +467,13 @@ def test_statistics_count_what_happened(loop, backend):
     assert total.messages_received == 5 and total.bytes_received == 25
     client.close()
     server.close()
+
+
+def test_network_limits_take_their_members_as_keywords():
+    limits = netio3.NetworkLimits(connect_timeout=2, peer_timeout=0.5, max_message_size=4096)
+    assert limits.connect_timeout == 2.0
+    assert limits.peer_timeout == 0.5
+    assert limits.max_message_size == 4096
+    assert netio3.NetworkLimits().connect_timeout == 10.0  # the C++ default
+    with pytest.raises(TypeError):
+        netio3.NetworkLimits(connect_timeout="soon")
