@@ -3,8 +3,11 @@
 #include <string>
 
 #include <fmt/format.h>
+#include <netio3/network_backend.hpp>
 #include <netio3/network_buffer.hpp>
 #include <netio3/types.hpp>
+
+#include "common/send_failure.hpp"
 
 namespace netio3 {
 namespace {
@@ -32,6 +35,8 @@ constexpr std::array<std::string_view, 3> BACKEND_NAMES{"asyncmsg", "libfabric",
 constexpr std::array<std::string_view, 2> MODE_NAMES{"rdma", "tcp"};
 constexpr std::array<std::string_view, 2> SAFETY_NAMES{"safe", "unsafe"};
 constexpr std::array<std::string_view, 3> STATUS_NAMES{"ok", "no_resources", "failed"};
+constexpr std::array<std::string_view, 4> SEND_FAILURE_NAMES{"closing", "too_large", "invalid",
+                                                             "transport"};
 constexpr std::array<std::string_view, 5> CLOSE_NAMES{"local", "peer_closed", "peer_lost",
                                                       "timed_out", "protocol_error"};
 constexpr std::array<std::string_view, 5> REFUSAL_NAMES{"unreachable", "timed_out", "rejected",
@@ -68,6 +73,26 @@ std::string_view to_string(RefusalCause cause) noexcept {
 std::string_view to_string(CloseCause cause) noexcept {
   return name_of(static_cast<std::size_t>(cause), CLOSE_NAMES);
 }
+std::string_view to_string(SendFailureCause cause) noexcept {
+  return name_of(static_cast<std::size_t>(cause), SEND_FAILURE_NAMES);
+}
+
+namespace {
+thread_local SendFailure t_last_send_failure{};
+}  // namespace
+
+const SendFailure& last_send_failure() noexcept {
+  return t_last_send_failure;
+}
+
+namespace detail {
+NetioStatus send_failed(SendFailureCause cause, std::string message, bool warn) {
+  if (warn) NETIO3_WARN("{}", message);
+  t_last_send_failure.cause = cause;
+  t_last_send_failure.message = std::move(message);
+  return NetioStatus::FAILED;
+}
+}  // namespace detail
 
 std::optional<BackendType> parse_backend_type(std::string_view name) noexcept {
   return parse_name<BackendType>(name, BACKEND_NAMES);

@@ -106,6 +106,11 @@ class NETIO3_API NetworkBackend {
 /// Largest header_data accepted by send_data and send_data_copy.
 inline constexpr std::size_t MAX_HEADER_SIZE = 16;
 
+/// Why the last send call on this thread (send_buffer, send_data, send_data_copy, of any
+/// backend) that returned NetioStatus::FAILED failed; an empty message before the first. The
+/// same text is logged as a warning, except for a send on a connection that is closing.
+[[nodiscard]] NETIO3_API const SendFailure& last_send_failure() noexcept;
+
 /// The factory of backends.
 class NETIO3_API Netio3Backend {
  public:

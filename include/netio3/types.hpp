@@ -211,6 +211,24 @@ using OnConnectionClosedReasonCb = std::function<void(
     const EndPointAddress& remote, const std::vector<std::uint64_t>& cancelled_keys,
     const CloseReason& reason)>;
 
+/// Why a send call returned NetioStatus::FAILED (SendFailure::cause).
+enum class SendFailureCause {
+  CLOSING,    ///< the connection is closing or closed (by either side)
+  TOO_LARGE,  ///< the message exceeds what the peer accepts (its limits.max_message_size, and on
+              ///< libfabric its receive buffers)
+  INVALID,    ///< the call's arguments: header_data over 16 bytes, a payload outside the
+              ///< zero-copy region, a buffer not lent for this connection, too many pieces
+  TRANSPORT   ///< the transport refused the operation (its error in the message)
+};
+/// "closing", "too_large", "invalid", "transport".
+[[nodiscard]] NETIO3_API std::string_view to_string(SendFailureCause cause) noexcept;
+
+/// What last_send_failure() reports: a cause to act on and a text to log.
+struct SendFailure {
+  SendFailureCause cause{SendFailureCause::INVALID};  ///< what kind of failure
+  std::string message;                                ///< what happened, in words
+};
+
 /// Who asks to be admitted through a listening endpoint (NetworkConfig::on_accept_cb).
 struct PeerInfo {
   EndPointAddress remote;    ///< the peer's source address, as the other callbacks will name it
@@ -356,5 +374,6 @@ NETIO3_DETAIL_ENUM_FORMATTER(netio3::ThreadSafetyModel)
 NETIO3_DETAIL_ENUM_FORMATTER(netio3::NetioStatus)
 NETIO3_DETAIL_ENUM_FORMATTER(netio3::RefusalCause)
 NETIO3_DETAIL_ENUM_FORMATTER(netio3::CloseCause)
+NETIO3_DETAIL_ENUM_FORMATTER(netio3::SendFailureCause)
 #undef NETIO3_DETAIL_ENUM_FORMATTER
 /// @endcond

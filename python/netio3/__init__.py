@@ -59,6 +59,8 @@ from ._netio3 import (  # noqa: E402 (after the environment above)
     RefusalCause,
     RefusalReason,
     SendBufferedParameters,
+    SendFailure,
+    SendFailureCause,
     SendZeroCopyParameters,
     SharedReceiveBuffers,
     SharedSendBuffers,
@@ -68,6 +70,7 @@ from ._netio3 import (  # noqa: E402 (after the environment above)
     __version__,
     available,
     create,
+    last_send_failure,
     version,
 )
 from .aio import (
@@ -126,6 +129,8 @@ __all__ = [
     "RefusalReason",
     "SendBufferedParameters",
     "SendFailed",
+    "SendFailure",
+    "SendFailureCause",
     "SendZeroCopyParameters",
     "SharedReceiveBuffers",
     "SharedSendBuffers",
@@ -136,6 +141,7 @@ __all__ = [
     "available",
     "connect",
     "create",
+    "last_send_failure",
     "listen",
     "version",
 ]

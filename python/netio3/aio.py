@@ -77,7 +77,14 @@ class ConnectionClosed(_n.NetioException):
 
 class SendFailed(_n.NetioException):
     """The backend refused a send for good (FAILED: too large for the peer, header over 16
-    bytes, a payload outside the zero-copy region, ...); netio3's log says why."""
+    bytes, a payload outside the zero-copy region, a connection that is closing, ...).
+    ``reason`` is the backend's ``SendFailure`` (``cause``: a ``SendFailureCause``, also in
+    ``cause``; ``message``, also in the text); None where the check was this layer's."""
+
+    def __init__(self, message: str, reason: Optional[_n.SendFailure] = None):
+        super().__init__(message)
+        self.reason = reason
+        self.cause = reason.cause if reason is not None else None
 
 
 def _text(address: Address) -> str:
@@ -464,7 +471,9 @@ class Connection:
             return future
         if status == _n.NetioStatus.NO_RESOURCES:
             return None
-        raise SendFailed(f"send to {_text(self.remote)} failed (netio3's log says why)")
+        failure = _n.last_send_failure()
+        raise SendFailed(f"send to {_text(self.remote)} failed ({failure.cause.name}): "
+                         f"{failure.message}", failure)
 
     async def submit(self, data: Buffer, header: Optional[Buffer] = None, *,
                      zero_copy: Optional[bool] = None) -> asyncio.Future:

@@ -540,8 +540,10 @@ inside it; netio3 holds it until the connection ends.)doc")
                        const py::object& max_receive_memory, const py::object& connect_timeout,
                        const py::object& close_timeout, const py::object& peer_timeout) {
              NetworkLimits l{};
-             if (!max_message_size.is_none()) l.max_message_size = max_message_size.cast<std::size_t>();
-             if (!max_unsent_bytes.is_none()) l.max_unsent_bytes = max_unsent_bytes.cast<std::size_t>();
+             if (!max_message_size.is_none())
+               l.max_message_size = max_message_size.cast<std::size_t>();
+             if (!max_unsent_bytes.is_none())
+               l.max_unsent_bytes = max_unsent_bytes.cast<std::size_t>();
              if (!max_receive_memory.is_none()) {
                l.max_receive_memory = max_receive_memory.cast<std::size_t>();
              }

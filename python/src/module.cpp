@@ -70,6 +70,20 @@ void bind_types(py::module_& m) {
       .def("__repr__", [](const CloseReason& r) {
         return "CloseReason(" + std::string{to_string(r.cause)} + ": " + r.message + ")";
       });
+  py::enum_<SendFailureCause>(m, "SendFailureCause", "Why a send returned FAILED.")
+      .value("CLOSING", SendFailureCause::CLOSING)
+      .value("TOO_LARGE", SendFailureCause::TOO_LARGE)
+      .value("INVALID", SendFailureCause::INVALID)
+      .value("TRANSPORT", SendFailureCause::TRANSPORT);
+  py::class_<SendFailure>(m, "SendFailure", "Why a send returned FAILED.")
+      .def_readonly("cause", &SendFailure::cause)
+      .def_readonly("message", &SendFailure::message)
+      .def("__repr__", [](const SendFailure& r) {
+        return "SendFailure(" + std::string{to_string(r.cause)} + ": " + r.message + ")";
+      });
+  m.def(
+      "last_send_failure", [] { return last_send_failure(); },
+      "Why the last send on this thread that returned NetioStatus.FAILED failed (a copy).");
   py::class_<RefusalReason>(m, "RefusalReason", "Why a connection was refused.")
       .def_readonly("cause", &RefusalReason::cause)
       .def_readonly("message", &RefusalReason::message)

@@ -184,3 +184,16 @@ async def test_max_message_size_bounds_every_backend_and_a_larger_send_is_send_f
             await client.send([b"ab", b"cd"])
         await client.send(b"still open")
         assert await accepted.recv() == b"still open"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_a_send_the_backend_refuses_says_why(backend):
+    async with netio3.Context(backend, max_message_size=4096) as context:
+        listener = await context.listen(("127.0.0.1", 0))
+        client = await netio3.Context(backend, max_message_size=65536).connect(listener.address)
+        await listener.accept()
+        with pytest.raises(netio3.SendFailed) as failed:
+            await client.send(bytes(10000))  # fine here, too large for the peer
+        assert failed.value.cause == netio3.SendFailureCause.TOO_LARGE
+        assert "10000 bytes" in failed.value.reason.message
+        assert failed.value.reason.message in str(failed.value)

@@ -19,6 +19,7 @@
 
 #include "common/buffer_pool.hpp"
 #include "common/log.hpp"
+#include "common/send_failure.hpp"
 #include "common/send_ledger.hpp"
 #include "common/thread_model.hpp"
 
@@ -191,10 +192,10 @@ inline BufferPool* claim_send_buffer(ConnectionBase& conn, NetworkBuffer* buffer
                                      std::string_view backend) {
   BufferPool* const pool = conn.send_pool.load(std::memory_order_acquire);
   if (pool == nullptr || !pool->begin_send(buffer)) {
-    NETIO3_WARN(
-        "{}: send_buffer to {}: not a buffer handed out by get_buffer for this connection (or "
-        "already sent)",
-        backend, conn.remote);
+    (void)send_failed(SendFailureCause::INVALID,
+                      fmt::format("{}: send_buffer to {}: not a buffer handed out by get_buffer "
+                                  "for this connection (or already sent)",
+                                  backend, conn.remote));
     return nullptr;
   }
   return pool;
@@ -204,8 +205,9 @@ inline BufferPool* claim_send_buffer(ConnectionBase& conn, NetworkBuffer* buffer
 inline bool header_ok(const EndPointAddress& remote, std::span<const std::uint8_t> header,
                       std::string_view backend) {
   if (header.size() <= MAX_HEADER_SIZE) return true;
-  NETIO3_WARN("{}: send to {}: header_data of {} bytes exceeds the limit of {}", backend, remote,
-              header.size(), MAX_HEADER_SIZE);
+  (void)send_failed(SendFailureCause::INVALID,
+                    fmt::format("{}: send to {}: header_data of {} bytes exceeds the limit of {}",
+                                backend, remote, header.size(), MAX_HEADER_SIZE));
   return false;
 }
 
@@ -220,11 +222,12 @@ inline bool inside_region(const EndPointAddress& remote, std::span<const iovec> 
     if (at >= start && v.iov_len <= region.size() && at - start <= region.size() - v.iov_len) {
       continue;
     }
-    NETIO3_WARN(
-        "{}: send_data to {}: {} bytes at {} lie outside the zero-copy region [{}, +{}) "
-        "(send_zero_copy_params): FAILED",
-        backend, remote, v.iov_len, v.iov_base, static_cast<const void*>(region.data()),
-        region.size());
+    (void)send_failed(
+        SendFailureCause::INVALID,
+        fmt::format("{}: send_data to {}: {} bytes at {} lie outside the zero-copy region [{}, "
+                    "+{}) (send_zero_copy_params): FAILED",
+                    backend, remote, v.iov_len, v.iov_base, static_cast<const void*>(region.data()),
+                    region.size()));
     return false;
   }
   return true;

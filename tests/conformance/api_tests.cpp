@@ -10,6 +10,8 @@
 #include <string>
 #include <thread>
 
+#include <gmock/gmock.h>
+
 #include "conformance.hpp"
 
 namespace netio3::conformance {
@@ -147,8 +149,17 @@ TEST_P(Api, ActiveEndpointErrors) {
   ASSERT_NE(mine, nullptr);
   mine->write(std::uint32_t{42});
   EXPECT_EQ(node->call([&] { return b.send_buffer(listen, mine); }), NetioStatus::OK);
-  // The same buffer twice before it completed is not a buffer we lent out.
-  EXPECT_EQ(node->call([&] { return b.send_buffer(listen, mine); }), NetioStatus::FAILED);
+  // The same buffer twice before it completed is not a buffer we lent out; the reason is
+  // the calling thread's last_send_failure().
+  SendFailure failure;
+  EXPECT_EQ(node->call([&] {
+    const auto status = b.send_buffer(listen, mine);
+    failure = last_send_failure();
+    return status;
+  }),
+            NetioStatus::FAILED);
+  EXPECT_EQ(failure.cause, SendFailureCause::INVALID) << failure.message;
+  EXPECT_THAT(failure.message, testing::HasSubstr("not a buffer handed out by get_buffer"));
   ASSERT_TRUE(node->rec.wait([&](const Recorder& r) { return r.count(Kind::COMPLETED) == 1; }));
   ASSERT_TRUE(server->rec.wait([&](const Recorder& r) { return r.count(Kind::DATA) == 1; }));
   EXPECT_EQ(server->rec.messages_snapshot().at(0).size(), sizeof(std::uint32_t));
@@ -156,8 +167,14 @@ TEST_P(Api, ActiveEndpointErrors) {
   // Header data is limited to 16 bytes.
   if (node->traits.copy_supported) {
     const std::vector<std::uint8_t> header(MAX_HEADER_SIZE + 1);
-    EXPECT_EQ(node->call([&] { return b.send_data_copy(listen, data, header, 9); }),
+    EXPECT_EQ(node->call([&] {
+      const auto status = b.send_data_copy(listen, data, header, 9);
+      failure = last_send_failure();
+      return status;
+    }),
               NetioStatus::FAILED);
+    EXPECT_EQ(failure.cause, SendFailureCause::INVALID) << failure.message;
+    EXPECT_THAT(failure.message, testing::HasSubstr("header_data of 17 bytes"));
   }
 }
 
@@ -568,9 +585,17 @@ TEST_P(Api, MessagesLargerThanThePeerAcceptsFailAtTheSender) {
     auto* buffer = node->call([&] { return node->backend->get_buffer(listen); });
     ASSERT_NE(buffer, nullptr);
     buffer->write(test::pattern(size, size));
-    const auto status = node->call([&] { return node->backend->send_buffer(listen, buffer); });
+    // The reason is the calling thread's: read it in the same call.
+    SendFailure failure;
+    const auto status = node->call([&] {
+      const auto s = node->backend->send_buffer(listen, buffer);
+      failure = last_send_failure();
+      return s;
+    });
     if (size > LIMIT) {
       EXPECT_EQ(status, NetioStatus::FAILED) << size << " bytes";
+      EXPECT_EQ(failure.cause, SendFailureCause::TOO_LARGE) << failure.message;
+      EXPECT_THAT(failure.message, testing::HasSubstr(fmt::format("{} bytes", LIMIT + 1)));
       buffer->clear();  // still ours: reuse it
       buffer->write(test::pattern(size, LIMIT));
       EXPECT_EQ(node->call([&] { return node->backend->send_buffer(listen, buffer); }),

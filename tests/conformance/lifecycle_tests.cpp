@@ -340,6 +340,7 @@ TEST_P(Lifecycle, SendsAfterThePeerClosedAreFailedUntilTheClosedCallbackReturned
   std::vector<std::uint64_t> accepted;      // under mutex
   std::vector<std::string> thrown;          // what a send inside a callback threw
   std::optional<NetioStatus> in_closed_cb;  // the send inside the closed callback
+  SendFailure closed_failure;               // and its reason
   bool hook_returned = false;
   std::uint64_t next = 0;  // loop thread (the hook) or the test thread before the stream
   const auto send_next = [&] {
@@ -360,6 +361,7 @@ TEST_P(Lifecycle, SendsAfterThePeerClosedAreFailedUntilTheClosedCallbackReturned
     try {
       const auto status = try_send(*client, listen, LAST + 1, SIZE, accepted);
       in_closed_cb = status;
+      if (status == NetioStatus::FAILED) closed_failure = last_send_failure();
     } catch (const std::exception& error) {
       thrown.emplace_back(error.what());
     }
@@ -387,6 +389,9 @@ TEST_P(Lifecycle, SendsAfterThePeerClosedAreFailedUntilTheClosedCallbackReturned
     // Buffered sends find no buffer (get_buffer returns none); the others are FAILED.
     EXPECT_EQ(*in_closed_cb, GetParam().mode == SendMode::BUFFERED ? NetioStatus::NO_RESOURCES
                                                                    : NetioStatus::FAILED);
+    if (*in_closed_cb == NetioStatus::FAILED) {
+      EXPECT_EQ(closed_failure.cause, SendFailureCause::CLOSING) << closed_failure.message;
+    }
   }
   client->rec.set_hook({});
   client->loop.loop()->run_sync([] {});  // the closed callback has returned

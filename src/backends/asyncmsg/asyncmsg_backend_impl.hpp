@@ -37,6 +37,7 @@
 #include "common/endpoint_rules.hpp"
 #include "common/log.hpp"
 #include "common/notifier.hpp"
+#include "common/send_failure.hpp"
 #include "common/send_ledger.hpp"
 #include "common/setup_deadlines.hpp"
 #include "common/tcp.hpp"
@@ -248,13 +249,17 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
     {
       const std::lock_guard lock{conn->mutex};
       if (conn->close_requested.load(std::memory_order_relaxed) || conn->ending()) {
-        return NetioStatus::FAILED;
+        return detail::send_failed(
+            SendFailureCause::CLOSING,
+            fmt::format("asyncmsg: send to {}: the connection is closing", conn->remote), false);
       }
       if (conn->phase != Phase::OPEN) return NetioStatus::NO_RESOURCES;  // still connecting
       if (size > conn->max_send_message) {
-        NETIO3_WARN("asyncmsg: send to {}: message of {} bytes exceeds the limit of {} bytes",
-                    conn->remote, size, conn->max_send_message);
-        return NetioStatus::FAILED;
+        return detail::send_failed(
+            SendFailureCause::TOO_LARGE,
+            fmt::format("asyncmsg: send to {}: a message of {} bytes exceeds the peer's limit of "
+                        "{} bytes",
+                        conn->remote, size, conn->max_send_message));
       }
       if (conn->queue.unsent_bytes() >= m_config.limits.max_unsent_bytes) {
         return NetioStatus::NO_RESOURCES;

@@ -22,6 +22,7 @@
 // every call must come from the loop thread (checked).
 
 #include "backends/libfabric/libfabric_backend_impl.hpp"
+#include "common/send_failure.hpp"
 
 namespace netio3::libfabric {
 
@@ -417,22 +418,24 @@ NetioStatus Backend::post_send(Connection& conn, std::span<const std::uint8_t> h
   {
     const std::lock_guard lock{conn.mutex};
     if (conn.close_requested.load(std::memory_order_relaxed) || conn.ending()) {
-      return NetioStatus::FAILED;
+      return detail::send_failed(
+          SendFailureCause::CLOSING,
+          fmt::format("libfabric: send to {}: the connection is closing", conn.remote), false);
     }
     if (conn.phase != Phase::OPEN) return NetioStatus::NO_RESOURCES;  // still connecting
     if (size > conn.peer_recv_size) {
-      NETIO3_WARN(
-          "libfabric: send to {}: a message of {} bytes exceeds the peer's receive "
-          "buffers of {} bytes",
-          conn.remote, size, conn.peer_recv_size);
-      return NetioStatus::FAILED;
+      return detail::send_failed(SendFailureCause::TOO_LARGE,
+                                 fmt::format("libfabric: send to {}: a message of {} bytes "
+                                             "exceeds the peer's receive buffers of {} bytes",
+                                             conn.remote, size, conn.peer_recv_size));
     }
     const std::size_t count = payload.size() + (header.empty() ? 0 : 1);
     if (count > std::min(conn.domain->iov_limit(), MAX_IOV) ||
         payload.size() > payload_desc.size()) {
-      NETIO3_WARN("libfabric: send to {}: {} pieces exceed the provider's iov_limit {}",
-                  conn.remote, count, conn.domain->iov_limit());
-      return NetioStatus::FAILED;
+      return detail::send_failed(
+          SendFailureCause::INVALID,
+          fmt::format("libfabric: send to {}: {} pieces exceed the provider's iov_limit {}",
+                      conn.remote, count, conn.domain->iov_limit()));
     }
     if (conn.unsent_bytes >= m_config.limits.max_unsent_bytes || conn.free_send_ops.empty()) {
       return NetioStatus::NO_RESOURCES;
@@ -472,8 +475,9 @@ NetioStatus Backend::post_send(Connection& conn, std::span<const std::uint8_t> h
     if (rc != 0) {
       conn.ledger.retract(op.ticket);
       if (rc == -FI_EAGAIN) return NetioStatus::NO_RESOURCES;
-      NETIO3_WARN("libfabric: send to {} failed: {}", conn.remote, fi_error(rc));
-      return NetioStatus::FAILED;
+      return detail::send_failed(
+          SendFailureCause::TRANSPORT,
+          fmt::format("libfabric: send to {} failed: {}", conn.remote, fi_error(rc)));
     }
     conn.free_send_ops.pop_back();
     conn.unsent_bytes += size;

@@ -2,6 +2,7 @@
 // and delivers messages in order.
 
 #include "backends/ucx/ucx_backend_impl.hpp"
+#include "common/send_failure.hpp"
 
 namespace netio3::ucx {
 
@@ -24,20 +25,24 @@ NetioStatus Backend::send_message(Connection& conn, std::span<const std::uint8_t
   std::size_t size = header.size();
   for (const auto& v : payload) size += v.iov_len;
   if (payload.size() > MAX_IOV) {
-    NETIO3_WARN("ucx: send to {}: {} pieces exceed the limit of {}", conn.remote, payload.size(),
-                MAX_IOV);
-    return NetioStatus::FAILED;
+    return detail::send_failed(SendFailureCause::INVALID,
+                               fmt::format("ucx: send to {}: {} pieces exceed the limit of {}",
+                                           conn.remote, payload.size(), MAX_IOV));
   }
   {
     const std::lock_guard lock{conn.mutex};
     if (conn.close_requested.load(std::memory_order_relaxed) || conn.ending()) {
-      return NetioStatus::FAILED;
+      return detail::send_failed(
+          SendFailureCause::CLOSING,
+          fmt::format("ucx: send to {}: the connection is closing", conn.remote), false);
     }
     if (conn.phase != Phase::OPEN) return NetioStatus::NO_RESOURCES;  // still connecting
     if (size > conn.peer_max) {
-      NETIO3_WARN("ucx: send to {}: a message of {} bytes exceeds the peer's limit of {} bytes",
-                  conn.remote, size, conn.peer_max);
-      return NetioStatus::FAILED;
+      return detail::send_failed(
+          SendFailureCause::TOO_LARGE,
+          fmt::format("ucx: send to {}: a message of {} bytes exceeds the peer's limit of {} "
+                      "bytes",
+                      conn.remote, size, conn.peer_max));
     }
     // Sends that UCX took at once count until their completion is reported: a sender on
     // the loop thread whose peer keeps up would otherwise queue reports without bound.
@@ -99,8 +104,9 @@ NetioStatus Backend::send_message(Connection& conn, std::span<const std::uint8_t
       conn.ledger.retract(op.ticket);
       release_op(conn, op);
       if (status == UCS_ERR_NO_RESOURCE) return NetioStatus::NO_RESOURCES;
-      NETIO3_WARN("ucx: send to {} failed: {}", conn.remote, status_text(status));
-      return NetioStatus::FAILED;
+      return detail::send_failed(
+          SendFailureCause::TRANSPORT,
+          fmt::format("ucx: send to {} failed: {}", conn.remote, status_text(status)));
     }
   }
   NETIO3_TRACE("ucx: send to {} key={} size={}", conn.remote, pending.key, size);
