@@ -4,10 +4,13 @@
 // key.
 
 #include <algorithm>
+#include <arpa/inet.h>
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <netinet/in.h>
 #include <rdma/fabric.h>
 #include <rdma/fi_cm.h>
 #include <rdma/fi_domain.h>
@@ -143,13 +146,22 @@ class RawFabric {
 
   [[nodiscard]] bool ok() const { return m_ok; }
 
-  // A new endpoint connects to `to` with `data`.
-  bool connect(const EndPointAddress& to, const Bytes& data) {
+  // A new endpoint connects to `to` with `data`, from IP address `source` if one is given.
+  bool connect(const EndPointAddress& to, const Bytes& data, const std::string& source = {}) {
     fi_info* info = nullptr;
     const std::string port = std::to_string(to.port);
-    if (fi_getinfo(FI_VERSION(1, 9), to.address.c_str(), port.c_str(), 0, m_hints, &info) != 0) {
-      return false;
+    fi_info* hints = fi_dupinfo(m_hints);
+    if (!source.empty()) {
+      auto* sa = static_cast<sockaddr_in*>(std::calloc(1, sizeof(sockaddr_in)));  // NOLINT
+      sa->sin_family = AF_INET;
+      ::inet_pton(AF_INET, source.c_str(), &sa->sin_addr);
+      hints->addr_format = FI_SOCKADDR_IN;
+      hints->src_addr = sa;  // freed with the hints
+      hints->src_addrlen = sizeof(sockaddr_in);
     }
+    const int rc = fi_getinfo(FI_VERSION(1, 9), to.address.c_str(), port.c_str(), 0, hints, &info);
+    fi_freeinfo(hints);
+    if (rc != 0) return false;
     fid_ep* ep = open_ep(info);
     const bool ok = ep != nullptr && fi_connect(ep, info->dest_addr, data.data(), data.size()) == 0;
     fi_freeinfo(info);
@@ -451,6 +463,37 @@ TEST_F(AdmissionLibfabric, RecordedRequestsReplayedAndMadeUpAnswersAreRefused) {
 
   EXPECT_EQ(server_count(Recorder::Kind::ESTABLISHED), 1U);
   EXPECT_TRUE(m_logs.wait_line(m_listen, {"refusing connection", "no pending challenge"}));
+}
+
+// The challenge is bound to the address of the first request: a captured second request sent
+// first from another address is refused and does not spend the challenge, so the real client,
+// which sends it from its own address (a new endpoint, a new port), is still admitted. (It
+// used to be the other way round: the copy admitted, the client refused.)
+TEST_F(AdmissionLibfabric, AChallengeIsAnsweredOnlyFromTheAddressItWasIssuedTo) {
+  ASSERT_NO_FATAL_FAILURE(start_server(std::string{KEY}, {}, "event-builder"));
+  RawFabric raw;
+  ASSERT_TRUE(raw.ok());
+  const PartitionKey key{KEY};
+  const AdmissionNonce own = netio3::detail::make_nonce();
+  ASSERT_TRUE(raw.connect(m_listen, first_request(own, "ros-1"), "127.0.0.1"));
+  const auto answer = raw.outcome();
+  ASSERT_EQ(answer.kind, Kind::REJECTED) << m_logs.dump();
+  const auto challenge = challenge_of(answer.data);
+  ASSERT_TRUE(challenge.has_value());
+  const Bytes proof = second_request(
+      challenge->id, key.prove(PROTOCOL, AdmissionRole::CLIENT, challenge->nonce, own, "ros-1"));
+  // The copy, from elsewhere.
+  ASSERT_TRUE(raw.connect(m_listen, proof, "127.0.0.2"));
+  const auto copy = raw.outcome();
+  ASSERT_EQ(copy.kind, Kind::REJECTED) << "the copy from another address was admitted";
+  EXPECT_NE(flags_of(copy.data) & NOT_ADMITTED, 0);
+  EXPECT_NE(text_after_cm(copy.data).find("no pending challenge of its address"), std::string::npos)
+      << text_after_cm(copy.data);
+  // The client itself.
+  ASSERT_TRUE(raw.connect(m_listen, proof, "127.0.0.1"));
+  EXPECT_EQ(raw.outcome().kind, Kind::CONNECTED) << m_logs.dump();
+  ASSERT_TRUE(m_server_rec.wait(
+      [](const Recorder& r) { return r.count(Recorder::Kind::ESTABLISHED) == 1; }));
 }
 
 // A flood of first requests: the oldest challenge gives way at 1024 pending, the table does

@@ -111,8 +111,8 @@ ShortProof short_proof(const detail::AdmissionProof& proof) noexcept {
   return out;
 }
 
-Challenge ChallengeTable::issue(std::uint64_t listener, KeyedRequest request, Clock::duration ttl,
-                                Clock::time_point now) {
+Challenge ChallengeTable::issue(std::uint64_t listener, std::string source, KeyedRequest request,
+                                Clock::duration ttl, Clock::time_point now) {
   // The oldest pending challenge gives way (ids in m_order that were taken are skipped).
   while (m_pending.size() >= CAPACITY && !m_order.empty()) {
     m_pending.erase(m_order.front());
@@ -126,6 +126,7 @@ Challenge ChallengeTable::issue(std::uint64_t listener, KeyedRequest request, Cl
   Challenge challenge{.id = detail::random_u64(), .nonce = detail::make_nonce()};
   while (m_pending.contains(challenge.id)) challenge.id = detail::random_u64();
   m_pending.emplace(challenge.id, Entry{.listener = listener,
+                                        .source = std::move(source),
                                         .client = request.nonce,
                                         .server = challenge.nonce,
                                         .identity = std::move(request.identity),
@@ -134,9 +135,11 @@ Challenge ChallengeTable::issue(std::uint64_t listener, KeyedRequest request, Cl
   return challenge;
 }
 
-std::optional<ChallengeTable::Entry> ChallengeTable::take(std::uint64_t id, Clock::time_point now) {
+std::optional<ChallengeTable::Entry> ChallengeTable::take(std::uint64_t id,
+                                                          const std::string& source,
+                                                          Clock::time_point now) {
   const auto it = m_pending.find(id);
-  if (it == m_pending.end()) return std::nullopt;
+  if (it == m_pending.end() || it->second.source != source) return std::nullopt;
   Entry entry = std::move(it->second);
   m_pending.erase(it);
   if (entry.expires <= now) return std::nullopt;

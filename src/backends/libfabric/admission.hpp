@@ -83,18 +83,25 @@ class ChallengeTable {
 
   struct Entry {
     std::uint64_t listener{};
+    std::string source;  // the IP address the first request came from
     detail::AdmissionNonce client{};
     detail::AdmissionNonce server{};
     std::string identity{};
     Clock::time_point expires{};
   };
 
-  // A new challenge (a fresh id and nonce) for `request` through `listener`, valid for `ttl`.
-  [[nodiscard]] Challenge issue(std::uint64_t listener, KeyedRequest request, Clock::duration ttl,
-                                Clock::time_point now);
+  // A new challenge (a fresh id and nonce) for `request` through `listener` from IP address
+  // `source`, valid for `ttl`.
+  [[nodiscard]] Challenge issue(std::uint64_t listener, std::string source, KeyedRequest request,
+                                Clock::duration ttl, Clock::time_point now);
   // The pending challenge `id`, taken out (it is answered once); none when it is unknown, was
-  // answered already or expired.
-  [[nodiscard]] std::optional<Entry> take(std::uint64_t id, Clock::time_point now);
+  // answered already or expired. An answer from another IP address than the first request's
+  // gets none and leaves the challenge to the client it was issued to (the second request
+  // comes from a new endpoint, so from another port, but from the client's address): a
+  // captured second request replayed from elsewhere is neither admitted nor able to spend
+  // the real client's challenge.
+  [[nodiscard]] std::optional<Entry> take(std::uint64_t id, const std::string& source,
+                                          Clock::time_point now);
   [[nodiscard]] std::size_t size() const noexcept { return m_pending.size(); }
 
  private:

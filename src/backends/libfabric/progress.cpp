@@ -779,8 +779,8 @@ bool Backend::admit_request(const std::shared_ptr<Listener>& listener, fi_info* 
           fmt::format("a keyed request whose {} bytes of admission data are no nonce and identity",
                       tail.size()));
     }
-    const auto challenge =
-        m_challenges.issue(listener->id, std::move(*keyed), m_config.limits.connect_timeout, now);
+    const auto challenge = m_challenges.issue(listener->id, remote.address, std::move(*keyed),
+                                              m_config.limits.connect_timeout, now);
     reject_request(*listener, request, CM_CHALLENGE, encode(challenge));
     NETIO3_DEBUG("libfabric: sent a challenge to {} on {}", remote, listener->address);
     return false;
@@ -790,11 +790,11 @@ bool Backend::admit_request(const std::shared_ptr<Listener>& listener, fi_info* 
     return refuse_it(
         fmt::format("an answer to a challenge of {} bytes (24 expected)", tail.size()));
   }
-  const auto entry = m_challenges.take(answer->id, now);
+  const auto entry = m_challenges.take(answer->id, remote.address, now);
   if (!entry || entry->listener != listener->id) {
     return refuse_it(
-        "the peer answered no pending challenge (a replayed set-up, or an answer later than "
-        "limits.connect_timeout)");
+        "the peer answered no pending challenge of its address (a replayed set-up, or an "
+        "answer later than limits.connect_timeout)");
   }
   if (!m_key.verify(ADMISSION_PROTOCOL, detail::AdmissionRole::CLIENT, entry->server, entry->client,
                     entry->identity, answer->proof)) {
