@@ -7,6 +7,8 @@
 
 #ifdef NETIO3_TEST_WITH_UCX
 #include <ucp/api/ucp.h>
+
+#include "ucp_worker.hpp"
 #endif
 
 #include <atomic>
@@ -607,40 +609,14 @@ INSTANTIATE_TEST_SUITE_P(Backends, Admission,
 class StrangerUcp {
  public:
   explicit StrangerUcp(std::span<const std::uint8_t> server_address) {
-    ucp_config_t* config = nullptr;
-    ucp_config_read(nullptr, nullptr, &config);
-    ucp_config_modify(config, "TLS", "tcp");
-    ucp_params_t params{};
-    params.field_mask = UCP_PARAM_FIELD_FEATURES;
-    params.features = UCP_FEATURE_AM;
-    m_ok = ucp_init(&params, config, &m_context) == UCS_OK;
-    ucp_config_release(config);
-    ucp_worker_params_t wp{};
-    wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
-    wp.thread_mode = UCS_THREAD_MODE_SINGLE;
-    m_ok = m_ok && ucp_worker_create(m_context, &wp, &m_worker) == UCS_OK;
     // UCX reads the address without its length: a copy with room behind it.
     m_address.assign(server_address.begin(), server_address.end());
     m_address.resize(m_address.size() + 256, 0);
     ucp_ep_params_t ep{};
     ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS;
     ep.address = reinterpret_cast<const ucp_address_t*>(m_address.data());  // NOLINT
-    m_ok = m_ok && ucp_ep_create(m_worker, &ep, &m_ep) == UCS_OK;
+    m_ok = m_ucp.ok() && ucp_ep_create(m_ucp.get(), &ep, &m_ucp.ep) == UCS_OK;
   }
-  ~StrangerUcp() {
-    if (m_ep != nullptr) {
-      ucp_request_param_t param{};
-      param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-      param.flags = UCP_EP_CLOSE_FLAG_FORCE;
-      wait(ucp_ep_close_nbx(m_ep, &param));
-    }
-    if (m_worker != nullptr) ucp_worker_destroy(m_worker);
-    if (m_context != nullptr) ucp_cleanup(m_context);
-  }
-  StrangerUcp(const StrangerUcp&) = delete;
-  StrangerUcp& operator=(const StrangerUcp&) = delete;
-  StrangerUcp(StrangerUcp&&) = delete;
-  StrangerUcp& operator=(StrangerUcp&&) = delete;
 
   [[nodiscard]] bool ok() const { return m_ok; }
 
@@ -655,28 +631,14 @@ class StrangerUcp {
       header[16 + i] = static_cast<std::uint8_t>(token >> (8U * i));
     }
     ucp_request_param_t param{};
-    return wait(ucp_am_send_nbx(m_ep, 7, header.data(), header.size(), payload.data(),
-                                payload.size(), &param));
+    return m_ucp.wait(ucp_am_send_nbx(m_ucp.ep, 7, header.data(), header.size(), payload.data(),
+                                      payload.size(), &param),
+                      PROMPT);
   }
 
  private:
-  bool wait(ucs_status_ptr_t request) {
-    if (request == nullptr) return true;
-    if (UCS_PTR_IS_ERR(request)) return false;
-    const auto deadline = Clock::now() + PROMPT;
-    ucs_status_t status = UCS_INPROGRESS;
-    while ((status = ucp_request_check_status(request)) == UCS_INPROGRESS &&
-           Clock::now() < deadline) {
-      ucp_worker_progress(m_worker);
-    }
-    ucp_request_free(request);
-    return status == UCS_OK;
-  }
-
+  netio3::test::UcpWorker m_ucp;  // its endpoint closed by force when it goes
   bool m_ok{false};
-  ucp_context_h m_context{nullptr};
-  ucp_worker_h m_worker{nullptr};
-  ucp_ep_h m_ep{nullptr};
   std::vector<std::uint8_t> m_address;
 };
 

@@ -36,6 +36,7 @@
 #include <gtest/gtest.h>
 #include <netio3/netio3.hpp>
 
+#include "proc_sockets.hpp"
 #include "test_support.hpp"
 
 namespace netio3::test {
@@ -59,48 +60,10 @@ std::string target_name(const ::testing::TestParamInfo<Target>& info) {
                      info.param.suffix);
 }
 
-// The TCP sockets process `pid` listens on (/proc/<pid>/fd and /proc/<pid>/net/tcp{,6}).
+// The TCP sockets process `pid` listens on.
 std::vector<EndPointAddress> listening_sockets(pid_t pid) {
-  std::set<std::string> inodes;
-  const std::string fd_dir = fmt::format("/proc/{}/fd", pid);
-  if (DIR* dir = ::opendir(fd_dir.c_str())) {
-    while (const dirent* entry = ::readdir(dir)) {
-      std::array<char, 128> target{};
-      const std::string link = fd_dir + "/" + entry->d_name;
-      const ssize_t n = ::readlink(link.c_str(), target.data(), target.size() - 1);
-      if (n <= 0) continue;
-      const std::string text{target.data(), static_cast<std::size_t>(n)};
-      if (text.rfind("socket:[", 0) == 0) inodes.insert(text.substr(8, text.size() - 9));
-    }
-    ::closedir(dir);
-  }
   std::vector<EndPointAddress> out;
-  for (const bool v6 : {false, true}) {
-    std::ifstream table{fmt::format("/proc/{}/net/tcp{}", pid, v6 ? "6" : "")};
-    std::string line;
-    std::getline(table, line);  // header
-    while (std::getline(table, line)) {
-      std::istringstream fields{line};
-      std::string slot, local, remote, state, queues, timer, retransmits, uid, timeout, inode;
-      fields >> slot >> local >> remote >> state >> queues >> timer >> retransmits >> uid >>
-          timeout >> inode;
-      if (state != "0A" || !inodes.contains(inode)) continue;
-      const auto colon = local.find(':');
-      const auto port =
-          static_cast<std::uint16_t>(std::stoul(local.substr(colon + 1), nullptr, 16));
-      std::string ip;
-      if (!v6) {
-        in_addr a{};
-        a.s_addr = static_cast<in_addr_t>(std::stoul(local.substr(0, colon), nullptr, 16));
-        std::array<char, INET_ADDRSTRLEN> text{};
-        ::inet_ntop(AF_INET, &a, text.data(), text.size());
-        ip = text.data();
-      } else {
-        ip = "[v6]" + local.substr(0, colon);
-      }
-      out.push_back({ip, port});
-    }
-  }
+  for (const auto& s : test::listening_sockets(std::to_string(pid))) out.push_back({s.ip, s.port});
   return out;
 }
 

@@ -6,11 +6,8 @@
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
-#include <dirent.h>
-#include <fstream>
 #include <iostream>
 #include <set>
-#include <sstream>
 #include <string>
 #include <sys/resource.h>
 #include <thread>
@@ -31,7 +28,9 @@
 #include "common/backend_facade.hpp"
 #include "common/byte_order.hpp"
 #include "common/sockaddr.hpp"
+#include "proc_sockets.hpp"
 #include "test_support.hpp"
+#include "ucp_worker.hpp"
 
 namespace netio3::test {
 namespace {
@@ -131,50 +130,26 @@ TEST(UcxScale, AThousandConnectionsInOneProcess) {
 // netio3 UCX backend of protocol 2 used them (UCX's connection manager on the listening port).
 class RawUcp {
  public:
-  RawUcp() {
-    ucp_config_t* config = nullptr;
-    ucp_config_read(nullptr, nullptr, &config);
-    ucp_config_modify(config, "TLS", "tcp");
-    ucp_params_t params{};
-    params.field_mask = UCP_PARAM_FIELD_FEATURES;
-    params.features = UCP_FEATURE_AM;
-    m_ok = ucp_init(&params, config, &m_context) == UCS_OK;
-    ucp_config_release(config);
-    ucp_worker_params_t wp{};
-    wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
-    wp.thread_mode = UCS_THREAD_MODE_MULTI;
-    m_ok = m_ok && ucp_worker_create(m_context, &wp, &m_worker) == UCS_OK;
-    if (m_ok) {
+  RawUcp() : m_ucp{UCS_THREAD_MODE_MULTI} {
+    if (m_ucp.ok()) {
       m_thread = std::jthread{[this](const std::stop_token& stop) {
         while (!stop.stop_requested()) {
-          if (ucp_worker_progress(m_worker) == 0) std::this_thread::sleep_for(1ms);
+          if (ucp_worker_progress(m_ucp.get()) == 0) std::this_thread::sleep_for(1ms);
         }
       }};
     }
   }
+  // The progress thread stops, the listener goes; the endpoint and the worker go with m_ucp.
   ~RawUcp() {
     m_thread = {};
     if (m_listener != nullptr) ucp_listener_destroy(m_listener);
-    if (m_ep != nullptr) {
-      ucp_request_param_t param{};
-      param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-      param.flags = UCP_EP_CLOSE_FLAG_FORCE;
-      void* request = ucp_ep_close_nbx(m_ep, &param);
-      while (request != nullptr && !UCS_PTR_IS_ERR(request) &&
-             ucp_request_check_status(request) == UCS_INPROGRESS) {
-        ucp_worker_progress(m_worker);
-      }
-      if (request != nullptr && !UCS_PTR_IS_ERR(request)) ucp_request_free(request);
-    }
-    if (m_worker != nullptr) ucp_worker_destroy(m_worker);
-    if (m_context != nullptr) ucp_cleanup(m_context);
   }
   RawUcp(const RawUcp&) = delete;
   RawUcp& operator=(const RawUcp&) = delete;
   RawUcp(RawUcp&&) = delete;
   RawUcp& operator=(RawUcp&&) = delete;
 
-  [[nodiscard]] bool ok() const { return m_ok; }
+  [[nodiscard]] bool ok() const { return m_ucp.ok(); }
   std::atomic<int> requests{0};
   std::atomic<int> errors{0};
 
@@ -191,7 +166,7 @@ class RawUcp {
       ucp_listener_reject(self->m_listener, request);
     };
     lp.conn_handler.arg = this;
-    if (ucp_listener_create(m_worker, &lp, &m_listener) != UCS_OK) return 0;
+    if (ucp_listener_create(m_ucp.get(), &lp, &m_listener) != UCS_OK) return 0;
     ucp_listener_attr_t attr{};
     attr.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR;
     if (ucp_listener_query(m_listener, &attr) != UCS_OK) return 0;
@@ -213,16 +188,13 @@ class RawUcp {
       ++static_cast<RawUcp*>(arg)->errors;
     };
     ep.err_handler.arg = this;
-    return ucp_ep_create(m_worker, &ep, &m_ep) == UCS_OK;
+    return ucp_ep_create(m_ucp.get(), &ep, &m_ucp.ep) == UCS_OK;
   }
 
  private:
-  bool m_ok{false};
-  ucp_context_h m_context{nullptr};
-  ucp_worker_h m_worker{nullptr};
+  UcpWorker m_ucp;
   ucp_listener_h m_listener{nullptr};
-  ucp_ep_h m_ep{nullptr};
-  std::jthread m_thread;
+  std::jthread m_thread;  // last: stopped first
 };
 
 // netio3's UCX backend up to protocol 2 listened with UCX's connection manager, which waits
@@ -515,38 +487,6 @@ TEST(UcxReceive, APeerWhoseMessagesWaitForAMissingOneIsClosedAtTheReceiveMemoryL
   server.reset();
 }
 
-// The TCP ports process `pid` listens on (/proc/PID/fd and /proc/PID/net/tcp).
-std::set<std::uint16_t> listening_ports(const std::string& pid) {
-  std::set<std::string> inodes;
-  const std::string fd_dir = "/proc/" + pid + "/fd";
-  if (DIR* dir = ::opendir(fd_dir.c_str())) {
-    while (const dirent* entry = ::readdir(dir)) {
-      std::array<char, 128> target{};
-      const std::string link = fd_dir + "/" + entry->d_name;
-      const ssize_t n = ::readlink(link.c_str(), target.data(), target.size() - 1);
-      if (n <= 0) continue;
-      const std::string text{target.data(), static_cast<std::size_t>(n)};
-      if (text.rfind("socket:[", 0) == 0) inodes.insert(text.substr(8, text.size() - 9));
-    }
-    ::closedir(dir);
-  }
-  std::set<std::uint16_t> ports;
-  for (const char* table_name : {"/net/tcp", "/net/tcp6"}) {
-    std::ifstream table{"/proc/" + pid + table_name};
-    std::string line;
-    std::getline(table, line);  // header
-    while (std::getline(table, line)) {
-      std::istringstream fields{line};
-      std::string slot, local, remote, state, queues, timer, retransmits, uid, timeout, inode;
-      fields >> slot >> local >> remote >> state >> queues >> timer >> retransmits >> uid >>
-          timeout >> inode;
-      if (state != "0A" || !inodes.contains(inode)) continue;
-      ports.insert(
-          static_cast<std::uint16_t>(std::stoul(local.substr(local.find(':') + 1), nullptr, 16)));
-    }
-  }
-  return ports;
-}
 std::set<std::uint16_t> own_listening_ports() {
   return listening_ports("self");
 }
@@ -556,47 +496,8 @@ std::set<std::uint16_t> own_listening_ports() {
 // active messages on every id, then it goes (a forced close and its worker destroyed).
 class Stranger {
  public:
-  Stranger() {
-    ucp_config_t* config = nullptr;
-    ucp_config_read(nullptr, nullptr, &config);
-    ucp_config_modify(config, "TLS", "tcp");
-    ucp_params_t params{};
-    params.field_mask = UCP_PARAM_FIELD_FEATURES;
-    params.features = UCP_FEATURE_AM;
-    m_ok = ucp_init(&params, config, &m_context) == UCS_OK;
-    ucp_config_release(config);
-    ucp_worker_params_t wp{};
-    wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
-    wp.thread_mode = UCS_THREAD_MODE_SINGLE;
-    m_ok = m_ok && ucp_worker_create(m_context, &wp, &m_worker) == UCS_OK;
-  }
-  ~Stranger() {
-    if (m_ep != nullptr) {
-      ucp_request_param_t param{};
-      param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-      param.flags = UCP_EP_CLOSE_FLAG_FORCE;
-      wait(ucp_ep_close_nbx(m_ep, &param));
-    }
-    if (m_worker != nullptr) ucp_worker_destroy(m_worker);
-    if (m_context != nullptr) ucp_cleanup(m_context);
-  }
-  Stranger(const Stranger&) = delete;
-  Stranger& operator=(const Stranger&) = delete;
-  Stranger(Stranger&&) = delete;
-  Stranger& operator=(Stranger&&) = delete;
-
-  [[nodiscard]] bool ok() const { return m_ok; }
-
-  // Its own worker address.
-  [[nodiscard]] std::vector<std::uint8_t> address() const {
-    ucp_address_t* address = nullptr;
-    std::size_t length = 0;
-    if (ucp_worker_get_address(m_worker, &address, &length) != UCS_OK) return {};
-    const auto* bytes = reinterpret_cast<const std::uint8_t*>(address);  // NOLINT
-    std::vector<std::uint8_t> out(bytes, bytes + length);
-    ucp_worker_release_address(m_worker, address);
-    return out;
-  }
+  [[nodiscard]] bool ok() const { return m_ucp.ok(); }
+  [[nodiscard]] std::vector<std::uint8_t> address() const { return m_ucp.address(); }
 
   // Connects to `address` and sends a message on each active message id; how many UCX took.
   int visit(std::vector<std::uint8_t> address) {
@@ -607,15 +508,16 @@ class Stranger {
     ep.address = reinterpret_cast<const ucp_address_t*>(address.data());  // NOLINT
     ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
     ep.err_handler.cb = [](void*, ucp_ep_h, ucs_status_t) {};
-    if (ucp_ep_create(m_worker, &ep, &m_ep) != UCS_OK) return 0;
+    if (ucp_ep_create(m_ucp.get(), &ep, &m_ucp.ep) != UCS_OK) return 0;
     std::array<std::uint8_t, 24> header{};
     std::vector<std::uint8_t> payload(300, 0x5A);
     int sent = 0;
     for (unsigned id = 0; id < 16; ++id) {
       header[0] = static_cast<std::uint8_t>(id);
       ucp_request_param_t param{};
-      sent += wait(ucp_am_send_nbx(m_ep, id, header.data(), header.size(), payload.data(),
-                                   payload.size(), &param))
+      sent += m_ucp.wait(ucp_am_send_nbx(m_ucp.ep, id, header.data(), header.size(), payload.data(),
+                                         payload.size(), &param),
+                         200ms)
                   ? 1
                   : 0;
     }
@@ -623,25 +525,7 @@ class Stranger {
   }
 
  private:
-  bool wait(ucs_status_ptr_t request) {
-    if (request == nullptr) return true;
-    if (UCS_PTR_IS_ERR(request)) return false;
-    const auto deadline = Clock::now() + 200ms;
-    ucs_status_t status = UCS_INPROGRESS;
-    while ((status = ucp_request_check_status(request)) == UCS_INPROGRESS &&
-           Clock::now() < deadline) {
-      ucp_worker_progress(m_worker);
-    }
-    if (status == UCS_INPROGRESS) ucp_request_cancel(m_worker, request);
-    while (ucp_request_check_status(request) == UCS_INPROGRESS) ucp_worker_progress(m_worker);
-    ucp_request_free(request);
-    return status == UCS_OK;
-  }
-
-  bool m_ok{false};
-  ucp_context_h m_context{nullptr};
-  ucp_worker_h m_worker{nullptr};
-  ucp_ep_h m_ep{nullptr};
+  UcpWorker m_ucp;  // its endpoint closed by force when it goes
 };
 
 // Strangers with UCP workers of their own reach a keyed UCX server's worker and come and go:
