@@ -465,6 +465,35 @@ TEST_F(AdmissionLibfabric, RecordedRequestsReplayedAndMadeUpAnswersAreRefused) {
   EXPECT_TRUE(m_logs.wait_line(m_listen, {"refusing connection", "no pending challenge"}));
 }
 
+// A message larger than the receive buffers the server announced is the peer's fault: the
+// connection ends with CloseCause::PROTOCOL_ERROR and the reason (libfabric's truncated
+// receive), and nothing of it is delivered.
+TEST_F(AdmissionLibfabric, AMessageLargerThanTheReceiveBuffersIsAProtocolError) {
+  auto config = m_server_rec.config(netio3::ThreadSafetyModel::SAFE, NetworkMode::TCP,
+                                    Recorder::Callbacks::WITH_SENDER_AND_REASON);
+  config.limits = patient_limits();
+  m_server =
+      netio3::Netio3Backend::create(BackendType::LIBFABRIC, std::move(config), m_loop.loop());
+  m_listen = m_server->open_listen_endpoint({"127.0.0.1", 0},
+                                            {.recv_params = {.buf_size = 32, .num_buf = 4}});
+  RawFabric peer;
+  ASSERT_TRUE(peer.ok());
+  ASSERT_TRUE(peer.connect(m_listen, cm_data(0)));
+  ASSERT_EQ(peer.outcome().kind, Kind::CONNECTED);
+  ASSERT_TRUE(m_server_rec.wait(
+      [](const Recorder& r) { return r.count(Recorder::Kind::ESTABLISHED) == 1; }));
+  ASSERT_TRUE(peer.send_with_data(Bytes(100, 0x42), 0));  // 100 bytes into buffers of 32
+  ASSERT_TRUE(
+      m_server_rec.wait([](const Recorder& r) { return r.count(Recorder::Kind::CLOSED) == 1; }));
+  EXPECT_EQ(m_server_rec.count_now(Recorder::Kind::DATA), 0U);
+  for (const auto& e : m_server_rec.snapshot()) {
+    if (e.kind != Recorder::Kind::CLOSED) continue;
+    EXPECT_EQ(e.closed.cause, netio3::CloseCause::PROTOCOL_ERROR) << e.closed.message;
+    EXPECT_NE(e.closed.message.find("larger than the receive buffers"), std::string::npos)
+        << e.closed.message;
+  }
+}
+
 // The challenge is bound to the address of the first request: a captured second request sent
 // first from another address is refused and does not spend the challenge, so the real client,
 // which sends it from its own address (a new endpoint, a new port), is still admitted. (It
