@@ -32,6 +32,7 @@
 #include <ucp/api/ucp.h>
 #include <uct/api/uct.h>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "common/log.hpp"
@@ -62,14 +63,17 @@ F next_definition(const char* name) {
   return reinterpret_cast<F>(dlsym(RTLD_NEXT, name));  // NOLINT
 }
 
-// The wire-up messages of one tcp interface, waiting for the worker's progress.
+// The wire-up messages of one tcp interface, waiting for the worker's progress. UCX's own
+// locks come first: `mutex` is never held while calling into UCX (UCX calls the handlers and
+// uct_iface_set_am_handler with its worker's locks held).
 struct Deferred {
-  uct_worker_h worker{};
-  uct_am_callback_t handler{};
-  void* arg{};
   std::mutex mutex;
-  std::deque<std::vector<std::uint8_t>> queue;
-  uct_worker_cb_id_t callback{UCS_CALLBACKQ_ID_NULL};
+  uct_worker_h worker{};                               // under mutex
+  uct_am_callback_t handler{};                         // under mutex
+  void* arg{};                                         // under mutex
+  std::deque<std::vector<std::uint8_t>> queue;         // under mutex
+  bool scheduled{false};                               // under mutex: hand_over is due
+  uct_worker_cb_id_t callback{UCS_CALLBACKQ_ID_NULL};  // under mutex: its id
 };
 
 struct Interfaces {
@@ -91,7 +95,8 @@ unsigned hand_over(void* arg) {
   {
     const std::lock_guard lock{d->mutex};
     batch.swap(d->queue);
-    d->callback = UCS_CALLBACKQ_ID_NULL;  // one-shot: removed by UCX before this call
+    d->scheduled = false;  // one-shot: UCX removed it before this call
+    d->callback = UCS_CALLBACKQ_ID_NULL;
     handler = d->handler;
     handler_arg = d->arg;
   }
@@ -105,12 +110,20 @@ unsigned hand_over(void* arg) {
 
 ucs_status_t defer(void* arg, void* data, std::size_t length, unsigned /*flags*/) {
   auto* d = static_cast<Deferred*>(arg);
-  const std::lock_guard lock{d->mutex};
-  const auto* bytes = static_cast<const std::uint8_t*>(data);
-  d->queue.emplace_back(bytes, bytes + length);
-  if (d->callback == UCS_CALLBACKQ_ID_NULL) {
-    uct_worker_progress_register_safe(d->worker, &hand_over, d, UCS_CALLBACKQ_FLAG_ONESHOT,
-                                      &d->callback);
+  bool schedule = false;
+  uct_worker_h worker = nullptr;
+  {
+    const std::lock_guard lock{d->mutex};
+    const auto* bytes = static_cast<const std::uint8_t*>(data);
+    d->queue.emplace_back(bytes, bytes + length);
+    schedule = !std::exchange(d->scheduled, true);
+    worker = d->worker;
+  }
+  if (schedule) {
+    uct_worker_cb_id_t id = UCS_CALLBACKQ_ID_NULL;
+    uct_worker_progress_register_safe(worker, &hand_over, d, UCS_CALLBACKQ_FLAG_ONESHOT, &id);
+    const std::lock_guard lock{d->mutex};
+    if (d->scheduled) d->callback = id;  // else hand_over ran already: the id is spent
   }
   return UCS_OK;  // copied: the transport may reuse its buffer
 }
@@ -187,8 +200,15 @@ __attribute__((visibility("default"))) void uct_iface_close(uct_iface_h iface) {
       all.deferred.erase(it);
     }
   }
-  if (d && d->callback != UCS_CALLBACKQ_ID_NULL) {
-    uct_worker_progress_unregister_safe(d->worker, &d->callback);
+  if (d) {
+    uct_worker_cb_id_t id = UCS_CALLBACKQ_ID_NULL;
+    uct_worker_h worker = nullptr;
+    {
+      const std::lock_guard lock{d->mutex};
+      if (d->scheduled) id = d->callback;
+      worker = d->worker;
+    }
+    if (id != UCS_CALLBACKQ_ID_NULL) uct_worker_progress_unregister_safe(worker, &id);
   }
   next(iface);
 }
