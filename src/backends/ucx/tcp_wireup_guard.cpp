@@ -168,20 +168,24 @@ __attribute__((visibility("default"))) ucs_status_t uct_iface_set_am_handler(
   static const auto next =
       netio3::ucx::next_definition<decltype(&uct_iface_set_am_handler)>("uct_iface_set_am_handler");
   if (id == netio3::ucx::WIREUP_AM_ID && cb != nullptr) {
-    auto& all = interfaces();
-    const std::lock_guard lock{all.mutex};
-    if (const auto it = all.tcp.find(iface); it != all.tcp.end()) {
-      auto& d = all.deferred[iface];
-      if (!d) d = std::make_unique<Deferred>();
-      {
+    Deferred* deferred = nullptr;  // lives until uct_iface_close of this interface
+    {
+      auto& all = interfaces();
+      const std::lock_guard lock{all.mutex};
+      if (const auto it = all.tcp.find(iface); it != all.tcp.end()) {
+        auto& d = all.deferred[iface];
+        if (!d) d = std::make_unique<Deferred>();
         const std::lock_guard handler_lock{d->mutex};
         d->worker = it->second;
         d->handler = cb;  // UCP's handler, its proxy (an inactive interface) or its stub
         d->arg = arg;
+        deferred = d.get();
       }
+    }
+    if (deferred != nullptr) {
       netio3::ucx::g_guarded_interfaces.fetch_add(1, std::memory_order_relaxed);
       // Not UCT_CB_FLAG_ASYNC: the copy is handed over from the worker's progress.
-      return next(iface, id, &netio3::ucx::defer, d.get(), flags & ~UCT_CB_FLAG_ASYNC);
+      return next(iface, id, &netio3::ucx::defer, deferred, flags & ~UCT_CB_FLAG_ASYNC);
     }
   }
   return next(iface, id, cb, arg, flags);
