@@ -191,7 +191,8 @@ enum class CloseCause {
   LOCAL,          ///< this side closed it: close_active_endpoint, close_listen_endpoint
   PEER_CLOSED,    ///< the peer closed it in order
   PEER_LOST,      ///< it broke: the peer's process, host or link went away (a reset, an error
-                  ///< of the transport), or an operation on it failed
+                  ///< of the transport, an end without the peer's goodbye: a killed process),
+                  ///< or an operation on it failed
   TIMED_OUT,      ///< nothing came from the peer for limits.peer_timeout (its heartbeats too)
   PROTOCOL_ERROR  ///< the peer sent what netio3 does not accept (the message says what)
 };

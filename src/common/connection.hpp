@@ -54,6 +54,11 @@ enum class CloseCause : std::uint8_t { LOCAL, PEER, ERROR, SILENT, PROTOCOL };
   return netio3::CloseCause::PEER_LOST;
 }
 
+// The reason of a connection whose peer's stream ended without the goodbye it promised.
+inline constexpr std::string_view ENDED_WITHOUT_GOODBYE =
+    "the peer's end of the connection came without its goodbye (its process ended without "
+    "closing or was killed, or its host closed the connection)";
+
 // Always owned by a shared_ptr (shared_from_this: what the engine posts keeps it).
 struct ConnectionBase : std::enable_shared_from_this<ConnectionBase> {
   ConnectionBase(std::uint64_t id_, EndPointAddress remote_, const ConnectionParameters& params_,
@@ -84,6 +89,13 @@ struct ConnectionBase : std::enable_shared_from_this<ConnectionBase> {
   std::uint64_t arrivals{0};
   bool peer_sends_heartbeats{false};
   bool peer_takes_heartbeats{false};
+  // The goodbye (asyncmsg's GOODBYE frame, libfabric's goodbye message; UCX has its BYE): a
+  // side that closes in order sends it last, to a peer that said it knows it. Then an end of
+  // the peer's stream without it reads as a lost peer (a process that died or was killed, whose
+  // kernel closed its sockets in order), not as a close. Loop thread only, set before
+  // established(); `peer_says_goodbye`: this side takes and sends goodbyes on the connection.
+  bool peer_says_goodbye{false};
+  bool goodbye_received{false};
 
   // Guards what follows (and the backend's own per-connection state).
   mutable OptionalMutex mutex;

@@ -65,6 +65,9 @@ inline constexpr std::uint8_t FRAME_HEARTBEAT = 2;
 inline constexpr std::uint8_t FRAME_CHALLENGE = 3;
 inline constexpr std::uint8_t FRAME_PROOF = 4;
 inline constexpr std::uint8_t FRAME_REFUSAL = 5;
+// No body; sent by asyncmsg 1.4 to a 1.4 peer as the last frame of a connection it closes in
+// order: a 1.4 peer whose stream ends without it reads the peer as lost, not closed.
+inline constexpr std::uint8_t FRAME_GOODBYE = 6;
 // Lengths travel as 32-bit numbers.
 inline constexpr std::size_t WIRE_MAX_MESSAGE_SIZE = 0xFFFF'FFFFU;
 
@@ -77,13 +80,15 @@ struct FrameProtocol {
 };
 // 1.1: the refusal greeting; 1.2: HEARTBEAT frames, sent only to a peer whose greeting says
 // 1.2 or later (an older peer rejects the frame type); 1.3: admission (the greeting flags
-// KEYED and VERDICT, the frames CHALLENGE, PROOF and REFUSAL).
-inline constexpr FrameProtocol ASYNCMSG_PROTOCOL{"asyncmsg", ASYNCMSG_MAJOR, 3,
+// KEYED and VERDICT, the frames CHALLENGE, PROOF and REFUSAL); 1.4: the GOODBYE frame, sent
+// only to a peer whose greeting says 1.4 or later.
+inline constexpr FrameProtocol ASYNCMSG_PROTOCOL{"asyncmsg", ASYNCMSG_MAJOR, 4,
                                                  (1U << FRAME_DATA) | (1U << FRAME_HEARTBEAT) |
                                                      (1U << FRAME_CHALLENGE) | (1U << FRAME_PROOF) |
-                                                     (1U << FRAME_REFUSAL)};
+                                                     (1U << FRAME_REFUSAL) | (1U << FRAME_GOODBYE)};
 inline constexpr std::uint16_t ASYNCMSG_HEARTBEAT_MINOR = 2;
 inline constexpr std::uint16_t ASYNCMSG_ADMISSION_MINOR = 3;
+inline constexpr std::uint16_t ASYNCMSG_GOODBYE_MINOR = 4;
 
 // The default major is asyncmsg's, whose greeting this layout was first.
 struct Greeting {

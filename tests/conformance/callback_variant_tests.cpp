@@ -296,6 +296,27 @@ TEST_P(CallbackVariants, AClosedConnectionSaysWhyOnBothSides) {
   EXPECT_EQ(by_listener->message, "listen endpoint closed");
   EXPECT_EQ(seen_by_client->cause, CloseCause::PEER_CLOSED) << seen_by_client->message;
   EXPECT_EQ(to_string(CloseCause::PEER_CLOSED), "peer_closed");
+  // The client's backend is destroyed with the connection open: an orderly end too (the
+  // goodbye is sent from the destructor), not a lost peer.
+  const auto listen2 = server->call([&] {
+    return server->backend->open_listen_endpoint({test::test_address(), 0},
+                                                 receiver_params(BUF_SIZE));
+  });
+  client->call([&] {
+    client->backend->open_active_endpoint(
+        listen2, sender_params(client->traits, SendMode::BUFFERED, {}, BUF_SIZE, BUF_SIZE));
+  });
+  ASSERT_TRUE(client->rec.wait([&](const Recorder& r) { return r.count(Kind::ESTABLISHED) == 3; }));
+  ASSERT_TRUE(server->rec.wait([&](const Recorder& r) { return r.count(Kind::ESTABLISHED) == 3; }));
+  std::optional<EndPointAddress> third;
+  for (const auto& e : server->rec.snapshot()) {
+    if (e.kind == Kind::ESTABLISHED) third = e.remote;
+  }
+  ASSERT_TRUE(third.has_value());
+  client.reset();
+  const auto after_destruction = reason_of(*server, *third);
+  ASSERT_TRUE(after_destruction.has_value());
+  EXPECT_EQ(after_destruction->cause, CloseCause::PEER_CLOSED) << after_destruction->message;
 }
 
 INSTANTIATE_TEST_SUITE_P(Conformance, CallbackVariants, testing::ValuesIn(backends()), param_name);

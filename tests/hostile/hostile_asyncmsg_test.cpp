@@ -100,7 +100,8 @@ TEST_F(HostileAsyncmsg, AbsurdFrameLengthIsRefusedAtOnce) {
 }
 
 // Type 2 is a HEARTBEAT (protocol 1.2), which has no body; 3, 4 and 5 are the admission
-// frames of the set-up (1.3), which an established connection never takes.
+// frames of the set-up (1.3), which an established connection never takes; 6 is a GOODBYE
+// (1.4), which has no body.
 std::string bad_frame_reason(std::uint8_t type) {
   switch (type) {
     case 2:
@@ -111,6 +112,8 @@ std::string bad_frame_reason(std::uint8_t type) {
       return "a PROOF frame after the set-up";
     case 5:
       return "a REFUSAL frame after the set-up";
+    case 6:
+      return "a GOODBYE frame with 16 bytes of body";
     default:
       return fmt::format("unknown frame type {}", type);
   }
@@ -118,7 +121,7 @@ std::string bad_frame_reason(std::uint8_t type) {
 
 TEST_F(HostileAsyncmsg, UnknownFrameType) {
   ASSERT_NO_FATAL_FAILURE(start());
-  for (const std::uint8_t type : {0, 2, 3, 4, 5, 6, 0x80, 0xFF}) {
+  for (const std::uint8_t type : {0, 2, 3, 4, 5, 6, 7, 0x80, 0xFF}) {
     const std::uint32_t stream = new_stream();
     RawPeer peer{m_listen};
     Bytes all = greeting();
@@ -219,6 +222,54 @@ TEST_F(HostileAsyncmsg, HalfFrameThenSilenceThenPeerCloses) {
   finish();
 }
 
+// Protocol 1.4: a peer that closes in order writes a GOODBYE frame last. A 1.4 peer whose
+// stream ends without one (between two frames, with a FIN: what the kernel of a killed process
+// sends when nothing was left unread) is a lost peer; a 1.3 peer's end is a close, as before;
+// anything after a GOODBYE is a protocol error and is not delivered.
+TEST_F(HostileAsyncmsg, TheGoodbyeTellsAnOrderlyEndFromALostPeer) {
+  ASSERT_NO_FATAL_FAILURE(start());
+  struct Case {
+    std::uint16_t minor;
+    bool goodbye;
+    bool data_after;
+    netio3::CloseCause cause;
+    const char* says;
+  };
+  const std::array cases{
+      Case{4, true, false, netio3::CloseCause::PEER_CLOSED, "peer closed the connection"},
+      Case{4, false, false, netio3::CloseCause::PEER_LOST, "without its goodbye"},
+      Case{3, false, false, netio3::CloseCause::PEER_CLOSED, "peer closed the connection"},
+      Case{4, true, true, netio3::CloseCause::PROTOCOL_ERROR,
+           "a frame of type 1 after the peer's GOODBYE"},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(::testing::Message() << "minor " << c.minor << " goodbye " << c.goodbye
+                                      << " data after it " << c.data_after);
+    const std::uint32_t stream = new_stream();
+    RawPeer peer{m_listen};
+    // Read the server's greeting so that our close is a FIN, not a reset.
+    ASSERT_TRUE(peer.read_exact(GREETING_SIZE).has_value());
+    Bytes all = greeting(1, c.minor);
+    append(all, make_frame(stream, 0, 64));
+    if (c.goodbye) append(all, frame_header(0, 6));
+    if (c.data_after) append(all, make_frame(stream, 1, 64));
+    ASSERT_TRUE(peer.send_all(all));
+    EXPECT_TRUE(m_checker.wait_received(stream, 1, PROMPT));
+    if (!c.data_after) {
+      ASSERT_NO_FATAL_FAILURE(wait_consumed(peer));
+      EXPECT_TRUE(peer.open_now()) << "the server closed before the peer's end";
+      peer.close();
+    }
+    ASSERT_TRUE(wait_server_event(Recorder::Kind::CLOSED, peer.local()));
+    const auto reason = server_close_reason(peer.local());
+    ASSERT_TRUE(reason.has_value());
+    EXPECT_EQ(reason->cause, c.cause) << reason->message;
+    EXPECT_THAT(reason->message, ::testing::HasSubstr(c.says));
+    EXPECT_EQ(m_checker.received(stream), 1U);
+  }
+  finish();
+}
+
 TEST_F(HostileAsyncmsg, ResetAtEveryStage) {
   ASSERT_NO_FATAL_FAILURE(start());
   enum Stage {
@@ -298,8 +349,8 @@ TEST_F(HostileAsyncmsg, ByteByByteIsLegal) {
   RawPeer peer{m_listen};
   const auto server_greeting = peer.read_exact(GREETING_SIZE);
   ASSERT_TRUE(server_greeting.has_value());
-  EXPECT_EQ(*server_greeting, greeting(1, 3, static_cast<std::uint32_t>(DEFAULT_MAX)))
-      << "the server announces protocol 1.3 and its limit in its greeting, and no admission "
+  EXPECT_EQ(*server_greeting, greeting(1, 4, static_cast<std::uint32_t>(DEFAULT_MAX)))
+      << "the server announces protocol 1.4 and its limit in its greeting, and no admission "
          "flags (it has no key and no accept hook)";
   const auto begin = Clock::now();
   ASSERT_TRUE(peer.send_bytewise(all));

@@ -146,15 +146,16 @@ NetioStatus Backend::post_buffer(const std::shared_ptr<Connection>& conn, Networ
 }
 
 void Backend::close_transport(const std::shared_ptr<Connection>& conn) {
+  const auto& ending = conn->ending_info;
   {
     const std::lock_guard lock{conn->mutex};
+    if (ending.cause == CloseCause::LOCAL && ending.was_open) say_goodbye(*conn);
     conn->receive_paused = false;
     conn->queue.clear();
     conn->flush_pending = false;
     conn->fd.close();
   }
   release_receive_memory(*conn);
-  const auto& ending = conn->ending_info;
   if ((ending.cause == CloseCause::LOCAL && ending.was_open) || conn->linger_on_close) {
     linger(*conn);
   } else {
@@ -162,9 +163,27 @@ void Backend::close_transport(const std::shared_ptr<Connection>& conn) {
   }
 }
 
+void Backend::say_goodbye(Connection& conn) noexcept {
+  // Only where the stream is between two frames: with bytes still queued (sends the close
+  // cancels) the peer reads the end in the middle of a message, or without a goodbye, as a
+  // connection that broke. Nothing queued means nothing is being written: 8 bytes, written at
+  // once (a send buffer without room for them leaves the peer reading a lost peer).
+  if (!conn.peer_says_goodbye || !conn.queue.empty() || !conn.socket.is_open()) {
+    return;
+  }
+  std::array<std::uint8_t, FRAME_HEADER_SIZE> frame{};
+  encode_frame_header(frame.data(), 0, detail::FRAME_GOODBYE);
+  const ssize_t n =
+      ::send(conn.socket.native_handle(), frame.data(), frame.size(), MSG_DONTWAIT | MSG_NOSIGNAL);
+  if (n != static_cast<ssize_t>(frame.size())) {
+    NETIO3_DEBUG("asyncmsg: goodbye to {} not written whole ({})", conn.remote, n);
+  }
+}
+
 void Backend::abandon(Connection& conn) noexcept {
   {
     const std::lock_guard lock{conn.mutex};
+    if (conn.phase == Phase::OPEN) say_goodbye(conn);  // destroyed: an orderly end for the peer
     conn.fd.close();
     conn.phase = Phase::CLOSED;
     conn.ledger.cancel_all();
@@ -433,6 +452,7 @@ bool Backend::on_greeting(const std::shared_ptr<Connection>& conn, const Greetin
   // then noticed only through TCP: keepalive and TCP_USER_TIMEOUT, see configure_stream).
   conn->peer_sends_heartbeats = greeting.minor >= detail::ASYNCMSG_HEARTBEAT_MINOR;
   conn->peer_takes_heartbeats = conn->peer_sends_heartbeats;
+  conn->peer_says_goodbye = greeting.minor >= detail::ASYNCMSG_GOODBYE_MINOR;
   return admission_step(conn, conn->admission->on_greeting(greeting.minor, greeting.flags));
 }
 
@@ -533,6 +553,9 @@ bool Backend::setup_protocol_error(const std::shared_ptr<Connection>& conn, std:
 bool Backend::on_message(const std::shared_ptr<Connection>& conn,
                          std::span<const std::uint8_t> message) {
   const std::uint8_t type = conn->decoder.frame_type();
+  if (type == detail::FRAME_GOODBYE || conn->goodbye_received) [[unlikely]] {
+    return on_goodbye(conn, type, message);
+  }
   if (type >= detail::FRAME_CHALLENGE) [[unlikely]] {
     if (shut_down() || conn->ending() || conn->close_requested.load()) return false;
     const auto frame = type == detail::FRAME_CHALLENGE ? detail::AdmissionFrame::CHALLENGE
@@ -557,6 +580,29 @@ bool Backend::on_message(const std::shared_ptr<Connection>& conn,
   }
   conn->large_messages = message.size() >= FrameDecoder::DIRECT_MIN;
   return deliver(*conn, message);
+}
+
+bool Backend::on_goodbye(const std::shared_ptr<Connection>& conn, std::uint8_t type,
+                         std::span<const std::uint8_t> message) {
+  if (shut_down() || conn->ending() || conn->close_requested.load()) return false;
+  if (conn->setting_up()) {
+    return setup_protocol_error(conn, "a GOODBYE frame before the connection was admitted");
+  }
+  std::string problem;
+  if (conn->goodbye_received) {
+    problem = fmt::format("a frame of type {} after the peer's GOODBYE", type);
+  } else if (!message.empty()) {
+    problem = fmt::format("a GOODBYE frame with {} bytes of body", message.size());
+  }
+  if (!problem.empty()) {
+    const auto reason = fmt::format("protocol error: {}", problem);
+    NETIO3_WARN("asyncmsg: closing connection with {}: {}", conn->remote, reason);
+    close(conn, reason, CloseCause::PROTOCOL);
+    return false;
+  }
+  // The peer's end of the stream follows (it closes after writing this).
+  conn->goodbye_received = true;
+  return true;
 }
 
 void Backend::send_heartbeat(const std::shared_ptr<Connection>& conn) {
@@ -669,6 +715,8 @@ void Backend::read_available(const std::shared_ptr<Connection>& conn) {
               CloseCause::ERROR);
       } else if (conn->setting_up()) {
         close(conn, "the peer closed the connection before its netio3 greeting", CloseCause::PEER);
+      } else if (conn->peer_says_goodbye && !conn->goodbye_received) {
+        close(conn, detail::ENDED_WITHOUT_GOODBYE, CloseCause::ERROR);
       } else {
         close(conn, "peer closed the connection", CloseCause::PEER);
       }

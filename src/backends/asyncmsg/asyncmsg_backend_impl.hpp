@@ -375,6 +375,13 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
   // Hands the socket to the lingering set: our FIN is sent, what the peer still sends is
   // read and dropped until it closes too (or LINGER_TIMEOUT).
   void linger(Connection& conn);
+  // Writes the GOODBYE frame (a peer of 1.4 or later, nothing queued: the stream is between
+  // two frames) on a connection that was open; under the connection's mutex.
+  static void say_goodbye(Connection& conn) noexcept;
+  // A GOODBYE frame, or any frame after one: the latter and a GOODBYE with a body are protocol
+  // errors. False: the connection is closing.
+  bool on_goodbye(const std::shared_ptr<Connection>& conn, std::uint8_t type,
+                  std::span<const std::uint8_t> message);
 
   const std::shared_ptr<asio::io_context> m_io;  // never run: socket services only
   const std::shared_ptr<ChunkCache> m_chunks;

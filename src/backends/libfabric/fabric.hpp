@@ -97,6 +97,13 @@ inline constexpr std::size_t CM_DATA_MIN_SIZE = 16;
 inline constexpr std::uint16_t CM_REFUSED_ADDRESS_IN_USE = 1;
 inline constexpr std::uint16_t CM_SENDS_HEARTBEATS = 2;
 inline constexpr std::uint16_t CM_TAG_DATA = 4;
+// CM_GOODBYE: this side ends an orderly close (and its backend's destruction) with a goodbye
+// to a peer that announced it and a token: a one-byte message with remote CQ data equal to the
+// token (a heartbeat is empty); and a side that announced it and a token reads a peer's
+// shutdown without a goodbye as a lost peer (a process that died: its kernel closes the
+// socket in order), not as a close. An older peer counts a goodbye as a heartbeat.
+inline constexpr std::uint16_t CM_GOODBYE = 128;
+inline constexpr std::size_t GOODBYE_SIZE = 1;
 // Admission (docs/admission.md, backends/libfabric/admission.hpp): what follows the 24 bytes.
 // CM_KEYED: in a request, the client holds a partition key (its nonce and identity follow, or
 // with CM_PROOF its answer to a challenge); in the accept data, the server's short proof and

@@ -140,6 +140,7 @@ struct Connection : detail::ConnectionBase {
   // Under `mutex`.
   std::size_t peer_recv_size{0};
   std::uint64_t peer_heartbeat_token{0};  // the CQ data of heartbeats to the peer
+  bool peer_takes_goodbye{false};         // CM_GOODBYE and a token: say_goodbye sends one
   std::uint64_t data_tag{0};  // CQ data of every data message to the peer (CM_TAG_DATA), or 0
   std::uint64_t unsent_bytes{0};
   void* send_desc{nullptr};
@@ -357,8 +358,12 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
   // connection (a tagged message, CM_TAG_DATA), 0 when the sender did not tag it.
   void on_received(Op& op, std::size_t len, std::uint64_t token = 0);
 
-  // A heartbeat (an empty message with remote CQ data: the token) arrived into `op`.
-  void on_heartbeat(Op& op, std::uint64_t token);
+  // A heartbeat (an empty message with remote CQ data: the token), or a goodbye (one byte,
+  // CM_GOODBYE), arrived into `op`.
+  void on_heartbeat(Op& op, std::uint64_t token, bool goodbye);
+  // The last message of an orderly close to a peer that takes one (CM_GOODBYE); under the
+  // connection's mutex. Injected: nothing of ours for the provider to hold.
+  static void say_goodbye(Connection& conn) noexcept;
 
   // Posts a connection's own receive buffer again (closes the connection if that fails).
   void repost(Op& op, Connection& conn);

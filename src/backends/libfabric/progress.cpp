@@ -279,8 +279,14 @@ void Backend::close_shut_down_peers(Domain& domain) {
   if (domain.peer_shutdowns.empty()) return;
   const std::vector<std::uint64_t> ids = std::exchange(domain.peer_shutdowns, {});
   for (const std::uint64_t id : ids) {
-    if (auto conn = m_registry.by_id(id))
-      close(conn, "peer closed the connection", CloseCause::PEER);
+    if (auto conn = m_registry.by_id(id)) {
+      // Everything the peer sent before its end was read: a goodbye among it, if it sent one.
+      if (conn->peer_says_goodbye && !conn->goodbye_received) {
+        close(conn, detail::ENDED_WITHOUT_GOODBYE, CloseCause::ERROR);
+      } else {
+        close(conn, "peer closed the connection", CloseCause::PEER);
+      }
+    }
     if (shut_down()) return;
   }
 }
@@ -297,7 +303,7 @@ void Backend::on_completion(const Domain& domain, const fi_cq_data_entry& entry)
       if ((entry.data & tag_bit) != 0) {
         on_received(*op, entry.len, entry.data & ~tag_bit);
       } else {
-        on_heartbeat(*op, entry.data);
+        on_heartbeat(*op, entry.data, entry.len == GOODBYE_SIZE);
       }
       return;
     }
@@ -384,15 +390,31 @@ void Backend::repost(Op& op, Connection& conn) {
   }
 }
 
-void Backend::on_heartbeat(Op& op, std::uint64_t token) {
+void Backend::on_heartbeat(Op& op, std::uint64_t token, bool goodbye) {
   Connection* conn = op.conn;
   if (conn == nullptr) {  // a shared receive context: the token names the connection
-    if (const auto named = m_registry.by_id(token)) ++named->arrivals;
+    if (const auto named = m_registry.by_id(token)) {
+      ++named->arrivals;
+      if (goodbye) named->goodbye_received = true;
+    }
     repost_shared(op);
     return;
   }
   ++conn->arrivals;
+  if (goodbye) conn->goodbye_received = true;
   if (still_open(*conn)) repost(op, *conn);
+}
+
+void Backend::say_goodbye(Connection& conn) noexcept {
+  static constexpr std::array<std::uint8_t, GOODBYE_SIZE> GOODBYE{'G'};
+  if (!conn.peer_takes_goodbye || !conn.ep) return;
+  // The entry make_connection leaves for heartbeats; when a heartbeat holds it the peer reads
+  // a lost peer.
+  const ssize_t rc =
+      fi_injectdata(conn.ep.get(), GOODBYE.data(), GOODBYE.size(), conn.peer_heartbeat_token, 0);
+  if (rc != 0) {
+    NETIO3_DEBUG("libfabric: goodbye to {} not sent: {}", conn.remote, fi_error(rc));
+  }
 }
 
 void Backend::send_heartbeat(const std::shared_ptr<Connection>& conn) {
@@ -419,7 +441,7 @@ CmData Backend::own_cm_data(const Connection& conn) {
   // from 1.
   const bool fits = conn.id < cq_tag_bit(bytes);
   const std::uint64_t token = heartbeats && fits && conn.recv ? conn.id : 0;
-  std::uint16_t flags = heartbeats ? CM_SENDS_HEARTBEATS : std::uint16_t{0};
+  std::uint16_t flags = heartbeats ? CM_SENDS_HEARTBEATS | CM_GOODBYE : std::uint16_t{0};
   if (token != 0 && conn.recv->srx) flags |= CM_TAG_DATA;
   return CmData{.recv_buf_size = receive_size(conn), .flags = flags, .heartbeat_token = token};
 }
@@ -428,7 +450,10 @@ void Backend::take_peer_cm_data(Connection& conn, const CmData& peer) {
   const CmData own = own_cm_data(conn);
   conn.peer_sends_heartbeats = (peer.flags & CM_SENDS_HEARTBEATS) != 0 && own.heartbeat_token != 0;
   conn.peer_takes_heartbeats = peer.heartbeat_token != 0 && (own.flags & CM_SENDS_HEARTBEATS) != 0;
+  const bool goodbyes = (peer.flags & CM_GOODBYE) != 0 && (own.flags & CM_GOODBYE) != 0;
+  conn.peer_says_goodbye = goodbyes && own.heartbeat_token != 0;
   const std::lock_guard lock{conn.mutex};
+  conn.peer_takes_goodbye = goodbyes && peer.heartbeat_token != 0;
   conn.peer_recv_size = peer.recv_buf_size;
   conn.peer_heartbeat_token = peer.heartbeat_token;
   conn.data_tag = (peer.flags & CM_TAG_DATA) != 0 && peer.heartbeat_token != 0
@@ -906,6 +931,10 @@ void Backend::close_transport(const std::shared_ptr<Connection>& conn) {
   const auto& ending = conn->ending_info;
   if (conn->ep && ending.was_open &&
       (ending.cause == CloseCause::LOCAL || ending.cause == CloseCause::ERROR)) {
+    if (ending.cause == CloseCause::LOCAL) {
+      const std::lock_guard lock{conn->mutex};
+      say_goodbye(*conn);
+    }
     fi_shutdown(conn->ep.get(), 0);
   }
   retire(conn);
@@ -919,6 +948,11 @@ void Backend::close_listener(const std::shared_ptr<Listener>& listener) {
 void Backend::abandon(Connection& conn) noexcept {
   {
     const std::lock_guard lock{conn.mutex};
+    if (conn.phase == Phase::OPEN && conn.ep) {
+      // The backend is destroyed: an orderly end for the peer.
+      say_goodbye(conn);
+      fi_shutdown(conn.ep.get(), 0);
+    }
     conn.phase = Phase::CLOSED;
     conn.ledger.cancel_all();
   }
