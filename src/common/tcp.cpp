@@ -193,6 +193,16 @@ int connect_result(int fd) {
   return err;
 }
 
+std::optional<std::string> connect_failure(int fd) {
+  if (const int err = connect_result(fd); err != 0) {
+    return fmt::format("connect failed: {}", errno_text(err));
+  }
+  if (connected_to_itself(fd)) {
+    return "connect failed: nothing listens there (the socket connected to itself)";
+  }
+  return std::nullopt;
+}
+
 std::string configure_stream(int fd, std::chrono::milliseconds peer_timeout) {
   // A backstop behind netio3's heartbeats (common/liveness.hpp), which end a silent
   // connection between peer_timeout and 1.3 times it, and the only watch on a peer of an

@@ -98,6 +98,10 @@ int connect_result(int fd);
 // connection must be treated as refused.
 bool connected_to_itself(int fd);
 
+// Why the non-blocking connect of `fd`, now writable, failed (the errno, or a connection to
+// itself: nothing listens there); nullopt when it is connected.
+std::optional<std::string> connect_failure(int fd);
+
 // TCP_NODELAY, and 1.5 times limits.peer_timeout as TCP_USER_TIMEOUT plus keepalive probes
 // (a backstop behind the heartbeats). Returns an error text, empty if all were set.
 std::string configure_stream(int fd, std::chrono::milliseconds peer_timeout);

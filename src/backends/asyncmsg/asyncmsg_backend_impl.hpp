@@ -1,4 +1,5 @@
-// The asyncmsg backend's types and its class (see asyncmsg_backend.cpp for how it works).
+// The asyncmsg backend's types and its class (see asyncmsg_backend.cpp for how it works; the
+// set-up of a connection - accepting, connecting, greetings, admission - is in setup.cpp).
 
 #pragma once
 
@@ -40,6 +41,7 @@
 #include "common/send_failure.hpp"
 #include "common/send_ledger.hpp"
 #include "common/setup_deadlines.hpp"
+#include "common/stream_admission.hpp"
 #include "common/tcp.hpp"
 
 namespace netio3::asyncmsg {
@@ -162,10 +164,18 @@ inline void drain_and_close(tcp::socket& socket) noexcept {
 // Always thread-safe: its sockets are used on the loop thread only, and other threads only
 // queue sends under a connection's lock.
 class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
+                public detail::StreamAdmission<Backend, Connection>,
                 public std::enable_shared_from_this<Backend> {
  public:
   static constexpr BackendType TYPE = BackendType::ASYNCMSG;
   using Engine = detail::ConnectionEngine<Backend, Connection, Listener>;
+  friend class detail::StreamAdmission<Backend, Connection>;
+  static constexpr detail::SetupFrames SETUP_FRAMES{
+      .backend = NAME,
+      .challenge = detail::FRAME_CHALLENGE,
+      .proof = detail::FRAME_PROOF,
+      .refusal = detail::FRAME_REFUSAL,
+      .admission_minor = detail::ASYNCMSG_ADMISSION_MINOR};
 
   Backend(NetworkConfig config, std::shared_ptr<BaseEventLoop> loop)
       : Engine{NAME, std::move(config), std::move(loop), ThreadSafetyModel::SAFE},
@@ -319,19 +329,17 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
 
   bool on_greeting(const std::shared_ptr<Connection>& conn, const Greeting& greeting);
 
-  // ---- admission (docs/admission.md) ------------------------------------------------
+  // ---- admission (docs/admission.md): the primitives of detail::StreamAdmission ---------
 
-  // A frame of the set-up queued behind the greeting and flushed.
-  void send_setup_frame(const std::shared_ptr<Connection>& conn, std::uint8_t type,
-                        std::span<const std::uint8_t> body);
-  // Acts on a step of the connection's admission exchange; whether to go on decoding.
-  bool admission_step(const std::shared_ptr<Connection>& conn, detail::AdmissionStep step);
+  // Set-up frames queued behind the greeting and flushed.
+  void write_setup(const std::shared_ptr<Connection>& conn, std::span<const std::uint8_t> frames);
+  [[nodiscard]] bool setup_alive(const Connection& conn) const noexcept;
+  static void add_to_verdict(Connection& /*conn*/, std::vector<std::uint8_t>& /*frames*/) {}
   // The peer is admitted (or needs no admission): the connection is established.
   bool admitted(const std::shared_ptr<Connection>& conn);
-  // Server: runs the accept hook (if any) and answers with its PROOF, or refuses.
-  bool decide(const std::shared_ptr<Connection>& conn, std::string identity);
-  // Ends the set-up: a REFUSAL with the reason to a client, NOT_ADMITTED for a client.
-  bool not_admitted(const std::shared_ptr<Connection>& conn, std::string_view reason);
+  // A refused client's REFUSAL frame, written directly behind the greeting (and challenge)
+  // already written; the socket lingers after the close.
+  static void refuse_and_linger(Connection& conn, std::span<const std::uint8_t> refusal);
   bool setup_protocol_error(const std::shared_ptr<Connection>& conn, std::string_view what);
 
   bool on_message(const std::shared_ptr<Connection>& conn, std::span<const std::uint8_t> message);

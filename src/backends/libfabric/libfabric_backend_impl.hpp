@@ -1,7 +1,9 @@
 // The libfabric backend's types and its class (see libfabric_backend.cpp for how it works).
-// Its definitions are split: libfabric_backend.cpp (lifecycle, API, domains, receive buffers,
-// sending), progress.cpp (the loop thread: event and completion queues, connection
-// management events, closing).
+// Its definitions are split by concern: libfabric_backend.cpp (lifecycle, API, domains, receive
+// buffers, sending), progress.cpp (the loop thread: reading the event and completion queues),
+// completions.cpp (messages received, sends finished), peer_protocol.cpp (connection data,
+// heartbeats, goodbyes), accepting.cpp and connecting.cpp (the server's and the client's side
+// of the set-up, admission), closing.cpp (a connection's and a listener's end).
 
 #pragma once
 

@@ -101,18 +101,8 @@ std::vector<std::uint8_t> Backend::hello_frame(Connection& conn) const {
             .worker_address = m_worker->address()});
 }
 
-std::vector<std::uint8_t> Backend::opening(Connection& conn) const {
-  if (!conn.admission) {
-    conn.admission.emplace(m_key, NAME, conn.active(), static_cast<bool>(m_config.on_accept_cb),
-                           m_config.identity);
-  }
-  const auto challenge = conn.admission->start();
-  auto out =
-      encode_control_greeting(m_config.limits.max_message_size, conn.admission->greeting_flags());
-  if (!challenge.empty()) {
-    const auto frame = encode_control_frame(FRAME_CHALLENGE, challenge);
-    out.insert(out.end(), frame.begin(), frame.end());
-  }
+std::vector<std::uint8_t> Backend::opening(Connection& conn) {
+  auto out = admission_opening(conn, control_greeting(m_config.limits.max_message_size));
   // Without admission (or for a client without a key) the HELLO goes at once; otherwise it
   // follows this side's PROOF (a keyed client) or the server's verdict.
   if (conn.admission->hello_with_greeting()) {
@@ -160,15 +150,8 @@ void Backend::flush_control(const std::shared_ptr<Connection>& conn) {
 void Backend::on_control_event(const std::shared_ptr<Connection>& conn, std::uint32_t events) {
   if (shut_down() || !conn->control.valid()) return;
   if (conn->phase == Phase::CONNECTING) {
-    const int err = detail::connect_result(conn->control.get());
-    if (err != 0) {
-      refuse(conn, RefusalCause::UNREACHABLE,
-             fmt::format("connect failed: {}", detail::errno_text(err)));
-      return;
-    }
-    if (detail::connected_to_itself(conn->control.get())) {
-      refuse(conn, RefusalCause::UNREACHABLE,
-             "connect failed: nothing listens there (the socket connected to itself)");
+    if (const auto failure = detail::connect_failure(conn->control.get())) {
+      refuse(conn, RefusalCause::UNREACHABLE, *failure);
       return;
     }
     {
@@ -260,11 +243,8 @@ void Backend::protocol_error_now(const std::shared_ptr<Connection>& conn, const 
 bool Backend::on_control_frame(const std::shared_ptr<Connection>& conn,
                                std::span<const std::uint8_t> frame) {
   const std::uint8_t type = conn->decoder.frame_type();
-  if (type == FRAME_CHALLENGE || type == FRAME_PROOF || type == FRAME_REFUSAL) [[unlikely]] {
-    const auto kind = type == FRAME_CHALLENGE ? detail::AdmissionFrame::CHALLENGE
-                      : type == FRAME_PROOF   ? detail::AdmissionFrame::PROOF
-                                              : detail::AdmissionFrame::REFUSAL;
-    return admission_step(conn, conn->admission->on_frame(kind, frame));
+  if (const auto go_on = admission_frame(conn, type, frame)) [[unlikely]] {
+    return *go_on;
   }
   if (!conn->admission->admitted()) [[unlikely]] {
     protocol_error_now(conn, fmt::format("a {} frame before the connection was admitted",
@@ -302,88 +282,36 @@ bool Backend::on_control_greeting(const std::shared_ptr<Connection>& conn,
   // channel, detail::configure_stream).
   conn->peer_sends_heartbeats = greeting.minor >= HEARTBEAT_MINOR;
   conn->peer_takes_heartbeats = conn->peer_sends_heartbeats;
-  return admission_step(conn, conn->admission->on_greeting(greeting.minor, greeting.flags));
+  return admission_greeting(conn, greeting);
 }
 
-bool Backend::admission_step(const std::shared_ptr<Connection>& conn, detail::AdmissionStep step) {
-  using Kind = detail::AdmissionStep::Kind;
-  switch (step.kind) {
-    case Kind::WAIT:
-      return control_active(*conn);
-    case Kind::ADMIT:
-      // A keyed client sends its HELLO (its worker address and token) only now, once the
-      // server proved the key: a listener without it learns neither.
-      if (conn->active() && !conn->admission->hello_with_greeting()) {
-        write_control(conn, hello_frame(*conn));
-        if (!control_active(*conn)) return false;
-      }
-      return admit(conn);
-    case Kind::DECIDE:
-      return decide(conn, std::move(step.identity));
-    case Kind::SEND_PROOF:
-      // The client's proof; its HELLO follows the server's (ADMIT above).
-      write_control(conn, encode_control_frame(FRAME_PROOF, step.proof));
-      return control_active(*conn);
-    case Kind::NOT_ADMITTED:
-      return not_admitted(conn, step.text);
-    case Kind::PROTOCOL_ERROR:
-      protocol_error_now(conn, step.text);
-      return false;
-    case Kind::REFUSED:
-      NETIO3_WARN("ucx: connection to {} not admitted: {}", conn->remote, step.text);
-      refuse(conn, RefusalCause::NOT_ADMITTED, step.text);
-      return false;
+bool Backend::admitted(const std::shared_ptr<Connection>& conn) {
+  // A keyed client sends its HELLO (its worker address and token) only now, once the server
+  // proved the key: a listener without it learns neither. (A server's HELLO went with its
+  // verdict: add_to_verdict.)
+  if (conn->active() && !conn->admission->hello_with_greeting()) {
+    write_control(conn, hello_frame(*conn));
+    if (!control_active(*conn)) return false;
   }
-  return false;
-}
-
-bool Backend::admit(const std::shared_ptr<Connection>& conn) {
+  // The peer's HELLO may now be read.
   conn->decoder.set_max_message_size(MAX_CONTROL_FRAME);
   return control_active(*conn);
 }
 
-bool Backend::decide(const std::shared_ptr<Connection>& conn, std::string identity) {
-  if (m_config.on_accept_cb) {
-    const PeerInfo peer{.remote = conn->remote,
-                        .listener = conn->listener_address,
-                        .identity = std::move(identity),
-                        .key_proven = conn->admission->keyed()};
-    const AcceptDecision decision = detail::run_accept_hook(m_config.on_accept_cb, peer, NAME);
-    // The hook may have closed the connection or destroyed the backend.
-    if (!control_active(*conn) || conn->close_requested.load()) return false;
-    if (!decision.admit) return not_admitted(conn, decision.reason);
-  }
-  // The server's proof (none without a key: the verdict alone), then its HELLO. A client older
-  // than 3.3 (possible only without a key) waits for the HELLO alone and would reject a PROOF.
-  std::vector<std::uint8_t> out;
-  if (const auto proof = conn->admission->verdict(ADMISSION_MINOR)) {
-    out = encode_control_frame(FRAME_PROOF, *proof);
-  }
-  const auto hello = hello_frame(*conn);
-  out.insert(out.end(), hello.begin(), hello.end());
-  write_control(conn, out);
-  if (!control_active(*conn)) return false;
-  return admit(conn);
+void Backend::add_to_verdict(Connection& conn, std::vector<std::uint8_t>& frames) const {
+  // The server's HELLO, behind its PROOF (a client older than 3.3 waits for the HELLO alone).
+  const auto hello = hello_frame(conn);
+  frames.insert(frames.end(), hello.begin(), hello.end());
 }
 
-bool Backend::not_admitted(const std::shared_ptr<Connection>& conn, std::string_view reason) {
-  if (!conn->active()) {
-    NETIO3_WARN("ucx: refusing connection from {} on {}: {}", conn->remote, conn->listener_address,
-                reason);
-    // Behind the greeting (and challenge) already written; the socket then lingers (also
-    // after a partial write), so that the client reads the reason rather than a reset. A
-    // client older than 3.3 would reject the frame type: it is just closed.
-    if (conn->control.valid() && conn->control_out.empty()) {
-      if (conn->admission->peer_takes_refusal(ADMISSION_MINOR)) {
-        (void)detail::send_now(conn->control.get(),
-                               encode_control_frame(FRAME_REFUSAL, detail::encode_refusal(reason)));
-      }
-      linger_control(*conn, false);
-    }
-  } else {
-    NETIO3_WARN("ucx: connection to {} not admitted: {}", conn->remote, reason);
-  }
-  refuse(conn, RefusalCause::NOT_ADMITTED, reason);
+void Backend::refuse_and_linger(Connection& conn, std::span<const std::uint8_t> refusal) {
+  if (!conn.control.valid() || !conn.control_out.empty()) return;
+  if (!refusal.empty()) (void)detail::send_now(conn.control.get(), refusal);
+  linger_control(conn, false);
+}
+
+bool Backend::setup_protocol_error(const std::shared_ptr<Connection>& conn, std::string_view what) {
+  protocol_error_now(conn, std::string{what});
   return false;
 }
 

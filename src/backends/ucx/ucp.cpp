@@ -465,15 +465,17 @@ std::optional<AmHeader> decode_header(std::span<const std::uint8_t> bytes, std::
   return std::nullopt;
 }
 
+detail::Greeting control_greeting(std::uint64_t max_message_size, std::uint32_t flags) {
+  return detail::Greeting{.major = CONTROL_PROTOCOL.major,
+                          .minor = CONTROL_PROTOCOL.minor,
+                          .max_message_size = static_cast<std::uint32_t>(std::clamp<std::uint64_t>(
+                              max_message_size, 1, detail::WIRE_MAX_MESSAGE_SIZE)),
+                          .flags = flags};
+}
+
 std::vector<std::uint8_t> encode_control_greeting(std::uint64_t max_message_size,
                                                   std::uint32_t flags) {
-  const detail::Greeting greeting{
-      .major = CONTROL_PROTOCOL.major,
-      .minor = CONTROL_PROTOCOL.minor,
-      .max_message_size = static_cast<std::uint32_t>(
-          std::clamp<std::uint64_t>(max_message_size, 1, detail::WIRE_MAX_MESSAGE_SIZE)),
-      .flags = flags};
-  const auto g = detail::encode_greeting(greeting);
+  const auto g = detail::encode_greeting(control_greeting(max_message_size, flags));
   return {g.begin(), g.end()};
 }
 

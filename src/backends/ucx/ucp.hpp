@@ -254,6 +254,8 @@ struct Hello {
 // Greeting, then the HELLO frame: what each side sends first on the control channel.
 [[nodiscard]] std::vector<std::uint8_t> encode_opening(const Hello& hello);
 // The greeting alone (with admission's flags), and the HELLO frame alone.
+[[nodiscard]] detail::Greeting control_greeting(std::uint64_t max_message_size,
+                                                std::uint32_t flags = 0);
 [[nodiscard]] std::vector<std::uint8_t> encode_control_greeting(std::uint64_t max_message_size,
                                                                 std::uint32_t flags);
 [[nodiscard]] std::vector<std::uint8_t> encode_hello_frame(const Hello& hello);

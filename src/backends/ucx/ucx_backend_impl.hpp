@@ -37,6 +37,7 @@
 #include "common/send_ledger.hpp"
 #include "common/setup_deadlines.hpp"
 #include "common/sockaddr.hpp"
+#include "common/stream_admission.hpp"
 #include "common/tcp.hpp"
 #include "common/thread_model.hpp"
 
@@ -254,10 +255,17 @@ struct Event {
 };
 
 class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
+                public detail::StreamAdmission<Backend, Connection>,
                 public std::enable_shared_from_this<Backend> {
  public:
   static constexpr BackendType TYPE = BackendType::UCX;
   using Engine = detail::ConnectionEngine<Backend, Connection, Listener>;
+  friend class detail::StreamAdmission<Backend, Connection>;
+  static constexpr detail::SetupFrames SETUP_FRAMES{.backend = NAME,
+                                                    .challenge = FRAME_CHALLENGE,
+                                                    .proof = FRAME_PROOF,
+                                                    .refusal = FRAME_REFUSAL,
+                                                    .admission_minor = ADMISSION_MINOR};
 
   Backend(const NetworkConfig& config, std::shared_ptr<BaseEventLoop> loop)
       : Engine{NAME, config, std::move(loop), config.thread_safety},
@@ -349,20 +357,24 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
 
   // What this side sends first: the greeting, then its challenge (with a key) or its HELLO
   // (unless admission holds it back).
-  std::vector<std::uint8_t> opening(Connection& conn) const;
+  std::vector<std::uint8_t> opening(Connection& conn);
   [[nodiscard]] std::vector<std::uint8_t> hello_frame(Connection& conn) const;
 
   // ---- admission (docs/admission.md) ------------------------------------------------
   bool on_control_greeting(const std::shared_ptr<Connection>& conn,
                            const detail::Greeting& greeting);
-  // Acts on a step of the connection's admission exchange; whether to go on decoding.
-  bool admission_step(const std::shared_ptr<Connection>& conn, detail::AdmissionStep step);
-  // The peer's HELLO may now be read; false when the connection went meanwhile.
-  bool admit(const std::shared_ptr<Connection>& conn);
-  // Server: runs the accept hook, answers with its PROOF and HELLO, or refuses.
-  bool decide(const std::shared_ptr<Connection>& conn, std::string identity);
-  // A REFUSAL to a client (then the socket lingers), NOT_ADMITTED for a client.
-  bool not_admitted(const std::shared_ptr<Connection>& conn, std::string_view reason);
+  // The primitives of detail::StreamAdmission. admitted: a keyed client's HELLO goes now, and
+  // the peer's HELLO may be read; false when the connection went meanwhile.
+  bool admitted(const std::shared_ptr<Connection>& conn);
+  void add_to_verdict(Connection& conn, std::vector<std::uint8_t>& frames) const;
+  void refuse_and_linger(Connection& conn, std::span<const std::uint8_t> refusal);
+  bool setup_protocol_error(const std::shared_ptr<Connection>& conn, std::string_view what);
+  [[nodiscard]] bool setup_alive(const Connection& conn) const noexcept {
+    return control_active(conn);
+  }
+  void write_setup(const std::shared_ptr<Connection>& conn, std::span<const std::uint8_t> frames) {
+    write_control(conn, frames);
+  }
 
   // Writes control bytes; what would block waits for EPOLLOUT. Loop thread.
   void write_control(const std::shared_ptr<Connection>& conn, std::span<const std::uint8_t> bytes);
