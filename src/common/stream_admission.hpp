@@ -133,7 +133,7 @@ class StreamAdmission {
 
   // Server: asks the accept hook (if any), then answers with its PROOF (and what the backend
   // adds to it), or refuses.
-  bool decide(const std::shared_ptr<Conn>& conn, std::string identity) {
+  bool decide(const std::shared_ptr<Conn>& conn, std::string&& identity) {
     auto& backend = self();
     if (backend.m_config.on_accept_cb) {
       const PeerInfo peer{.remote = conn->remote,
