@@ -192,7 +192,7 @@ case "$cmd" in
     ;;
   package)
     dir=${2:?usage: tools/run.sh package BUILD_DIR}
-    PACKAGES+=(dpkg-dev debootstrap)
+    PACKAGES+=(dpkg-dev debootstrap file)  # file: CPack DEB's shlibdeps
     install_missing
     rm -f "$dir"/*.deb
     (cd "$dir" && cpack -G DEB)
