@@ -93,7 +93,7 @@ class StreamAdmission {
     const auto encoded = encode_greeting(greeting);
     std::vector<std::uint8_t> out{encoded.begin(), encoded.end()};
     if (!challenge.empty()) {
-      const auto challenge_frame = frame(Derived::SETUP_FRAMES.challenge, challenge);
+      const auto challenge_frame = encode_frame(Derived::SETUP_FRAMES.challenge, challenge);
       out.insert(out.end(), challenge_frame.begin(), challenge_frame.end());
     }
     return out;
@@ -116,7 +116,7 @@ class StreamAdmission {
       case Kind::DECIDE:
         return decide(conn, std::move(step.identity));
       case Kind::SEND_PROOF:
-        backend.write_setup(conn, frame(Derived::SETUP_FRAMES.proof, step.proof));
+        backend.write_setup(conn, encode_frame(Derived::SETUP_FRAMES.proof, step.proof));
         return backend.setup_alive(*conn);
       case Kind::NOT_ADMITTED:
         return not_admitted(conn, step.text);
@@ -150,7 +150,7 @@ class StreamAdmission {
     // (possible only without a key), which took the greeting for the set-up.
     std::vector<std::uint8_t> out;
     if (const auto proof = conn->admission->verdict(Derived::SETUP_FRAMES.admission_minor)) {
-      out = frame(Derived::SETUP_FRAMES.proof, *proof);
+      out = encode_frame(Derived::SETUP_FRAMES.proof, *proof);
     }
     backend.add_to_verdict(*conn, out);
     if (!out.empty()) {
@@ -169,7 +169,7 @@ class StreamAdmission {
                   conn->remote, conn->listener_address, reason);
       std::vector<std::uint8_t> refusal;
       if (conn->admission->peer_takes_refusal(Derived::SETUP_FRAMES.admission_minor)) {
-        refusal = frame(Derived::SETUP_FRAMES.refusal, encode_refusal(reason));
+        refusal = encode_frame(Derived::SETUP_FRAMES.refusal, encode_refusal(reason));
       }
       backend.refuse_and_linger(*conn, refusal);
     } else {
@@ -178,14 +178,6 @@ class StreamAdmission {
     }
     backend.refuse(conn, RefusalCause::NOT_ADMITTED, reason);
     return false;
-  }
-
-  [[nodiscard]] static std::vector<std::uint8_t> frame(std::uint8_t type,
-                                                       std::span<const std::uint8_t> body) {
-    std::vector<std::uint8_t> out(FRAME_HEADER_SIZE + body.size());
-    encode_frame_header(out.data(), static_cast<std::uint32_t>(body.size()), type);
-    std::copy(body.begin(), body.end(), out.begin() + FRAME_HEADER_SIZE);
-    return out;
   }
 
  private:

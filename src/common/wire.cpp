@@ -197,4 +197,11 @@ std::span<std::uint8_t> FrameDecoder::direct_target() {
   return {m_body.get() + m_body_have, m_body_cap - m_body_have};
 }
 
+std::vector<std::uint8_t> encode_frame(std::uint8_t type, std::span<const std::uint8_t> body) {
+  std::vector<std::uint8_t> out(FRAME_HEADER_SIZE + body.size());
+  encode_frame_header(out.data(), static_cast<std::uint32_t>(body.size()), type);
+  std::copy(body.begin(), body.end(), out.begin() + FRAME_HEADER_SIZE);
+  return out;
+}
+
 }  // namespace netio3::detail

@@ -113,6 +113,10 @@ inline void encode_frame_header(std::uint8_t* out, std::uint32_t length,
   out[7] = 0;
 }
 
+// A whole frame: header and body (set-up frames; the data path writes headers in place).
+[[nodiscard]] std::vector<std::uint8_t> encode_frame(std::uint8_t type,
+                                                     std::span<const std::uint8_t> body);
+
 // Bodies of large messages kept for the next one, shared by the decoders of one backend: a
 // stream of 1 MiB messages then never goes back to malloc, which handed each body to the
 // kernel and back (a brk or mmap pair per message, a third of the rate in a program with the

@@ -173,10 +173,8 @@ void Backend::say_goodbye(Connection& conn) noexcept {
   }
   std::array<std::uint8_t, FRAME_HEADER_SIZE> frame{};
   encode_frame_header(frame.data(), 0, detail::FRAME_GOODBYE);
-  const ssize_t n =
-      ::send(conn.socket.native_handle(), frame.data(), frame.size(), MSG_DONTWAIT | MSG_NOSIGNAL);
-  if (n != static_cast<ssize_t>(frame.size())) {
-    NETIO3_DEBUG("asyncmsg: goodbye to {} not written whole ({})", conn.remote, n);
+  if (!detail::send_now(conn.socket.native_handle(), frame)) {
+    NETIO3_DEBUG("asyncmsg: goodbye to {} not written whole", conn.remote);
   }
 }
 

@@ -499,14 +499,6 @@ std::vector<std::uint8_t> encode_opening(const Hello& hello) {
   return out;
 }
 
-std::vector<std::uint8_t> encode_control_frame(std::uint8_t type,
-                                               std::span<const std::uint8_t> body) {
-  std::vector<std::uint8_t> out(detail::FRAME_HEADER_SIZE + body.size());
-  detail::encode_frame_header(out.data(), static_cast<std::uint32_t>(body.size()), type);
-  std::copy(body.begin(), body.end(), out.begin() + detail::FRAME_HEADER_SIZE);
-  return out;
-}
-
 std::optional<Hello> decode_hello(std::span<const std::uint8_t> bytes, std::string& error) {
   if (bytes.size() <= HELLO_FIXED_SIZE) {
     error = fmt::format("HELLO of {} bytes (at least {} and a worker address)", bytes.size(),

@@ -259,9 +259,6 @@ struct Hello {
 [[nodiscard]] std::vector<std::uint8_t> encode_control_greeting(std::uint64_t max_message_size,
                                                                 std::uint32_t flags);
 [[nodiscard]] std::vector<std::uint8_t> encode_hello_frame(const Hello& hello);
-// A frame of the control channel: header and body.
-[[nodiscard]] std::vector<std::uint8_t> encode_control_frame(std::uint8_t type,
-                                                             std::span<const std::uint8_t> body);
 // A HELLO frame's message; nullopt (and `error` set) for one that is malformed.
 [[nodiscard]] std::optional<Hello> decode_hello(std::span<const std::uint8_t> bytes,
                                                 std::string& error);
