@@ -103,12 +103,32 @@ struct SendZeroCopyParameters {
   std::uint8_t* mr_start{nullptr};  ///< nullptr: zero-copy sending not requested
 };
 
+/// What a send's completion means on a connection (docs/semantics.md, "Delivery").
+struct DeliveryParameters {
+  /// false (the default): a send completes when the message has left this process (the
+  /// transport has it; what that means per backend is in docs/semantics.md). true: it
+  /// completes when the peer's application was handed the message (its on_data_cb returned
+  /// for it): the peer acknowledges what it delivered, cumulatively and batched (at most one
+  /// acknowledgement a connection per round of its event loop). A send's buffer or zero-copy
+  /// memory stays netio3's until then. Per direction: it is this side's sends that are
+  /// acknowledged; the peer's are if its own parameters ask. A peer too old to acknowledge
+  /// is refused at set-up (RefusalCause::SETUP_FAILED, with the reason).
+  bool acknowledged{false};
+  /// Acknowledged sends only: the bytes (messages' headers and payloads) accepted and not
+  /// yet acknowledged beyond which a send returns NO_RESOURCES; on_ready_to_send_cb follows
+  /// when acknowledgements free room. A single message larger than the window is accepted
+  /// when nothing is outstanding.
+  std::size_t replay_window{std::size_t{64} << 20U};
+};
+
 /// What a connection (open_active_endpoint) or the connections of a listen endpoint
-/// (open_listen_endpoint) need: receive buffers, send buffers, a zero-copy region.
+/// (open_listen_endpoint) need: receive buffers, send buffers, a zero-copy region, and what
+/// its sends' completions mean.
 struct ConnectionParameters {
   RecvParameters recv_params{};                    ///< receiving
   SendBufferedParameters send_buffered_params{};   ///< buffered sending
   SendZeroCopyParameters send_zero_copy_params{};  ///< zero-copy sending
+  DeliveryParameters delivery{};                   ///< what a completion means
 };
 
 /// One receive pool for every connection of the backend (NetworkConfig).

@@ -59,6 +59,12 @@ inline constexpr std::string_view ENDED_WITHOUT_GOODBYE =
     "the peer's end of the connection came without its goodbye (its process ended without "
     "closing or was killed, or its host closed the connection)";
 
+// The reason a connection whose parameters ask for acknowledged sends is not set up with a peer
+// that cannot acknowledge.
+inline constexpr std::string_view PEER_CANNOT_ACKNOWLEDGE =
+    "the peer cannot acknowledge deliveries (its netio3 is too old for "
+    "DeliveryParameters::acknowledged)";
+
 // Always owned by a shared_ptr (shared_from_this: what the engine posts keeps it).
 struct ConnectionBase : std::enable_shared_from_this<ConnectionBase> {
   ConnectionBase(std::uint64_t id_, EndPointAddress remote_, const ConnectionParameters& params_,
@@ -68,7 +74,9 @@ struct ConnectionBase : std::enable_shared_from_this<ConnectionBase> {
         params{params_},
         listener_id{listener_id_},
         mutex{thread_safe},
-        phase{initial} {}
+        phase{initial} {
+    if (params.delivery.acknowledged) ledger.expect_acknowledgements();
+  }
 
   [[nodiscard]] bool active() const noexcept { return listener_id == 0; }
   [[nodiscard]] bool setting_up() const noexcept { return phase < Phase::OPEN; }
@@ -96,6 +104,19 @@ struct ConnectionBase : std::enable_shared_from_this<ConnectionBase> {
   // established(); `peer_says_goodbye`: this side takes and sends goodbyes on the connection.
   bool peer_says_goodbye{false};
   bool goodbye_received{false};
+  // Delivery acknowledgement (DeliveryParameters; docs/semantics.md): this side's sends are
+  // acknowledged when params.delivery says so (the ledger waits for the peer's counts); the
+  // peer's are when its set-up asked (`peer_wants_acks`, set before established()). Then
+  // `delivered` counts the messages handed to on_data_cb, `acked` what the last
+  // acknowledgement sent said, and `ack_due` that the engine will send one (the end of the
+  // loop's round). Loop thread only.
+  struct Acks {
+    bool peer_wants_acks{false};
+    bool ack_due{false};
+    std::uint64_t delivered{0};
+    std::uint64_t acked{0};
+  };
+  mutable Acks acks;
 
   // Guards what follows (and the backend's own per-connection state).
   mutable OptionalMutex mutex;

@@ -25,6 +25,9 @@
 //    callback;
 //  - the ready-to-send episodes (on_ready_to_send_cb): a refused send or an empty pool
 //    begins one, a completion, a buffer back in the shared pool or the set-up ends it;
+//  - delivery acknowledgement (DeliveryParameters): the replay window on the send calls,
+//    the peer's counts ending sends (acknowledgement()), and this side's counts of what it
+//    handed to on_data_cb, sent once per loop round through the transport's send_ack;
 //  - loop-thread assertions (debug builds) and the destruction flag.
 //
 // What the transport implements is the concept TransportOf below.
@@ -85,6 +88,12 @@ namespace netio3::detail {
 //  - send_heartbeat(conn): the connection is open and its peer takes heartbeats: send one
 //    (dropped when the transport has no room for it now; the next comes one period later).
 //    It may close the connection (the send failed), which may run the closed callback.
+//  - send_ack(conn, count): the connection is open (or, for the last one, being closed by
+//    the application) and its peer wants its sends acknowledged: tell it that `count` of
+//    its messages were handed to on_data_cb. False when the transport has no room for it
+//    now (it is sent again next round); never lost once accepted (a peer's sends would
+//    wait for it); before the connection's goodbye. It may close the connection as
+//    send_heartbeat does.
 // and may implement
 //  - after_closed(conn): the connection is CLOSED (its end is about to be reported): free
 //    what the transport kept for it. No callback.
@@ -104,6 +113,7 @@ concept TransportOf = requires(T& t, const std::shared_ptr<Conn>& conn, Conn& c,
   { t.close_listener(std::shared_ptr<L>{}) } -> std::same_as<void>;
   { t.post_buffer(conn, buffer) } -> std::same_as<NetioStatus>;
   { t.send_heartbeat(conn) } -> std::same_as<void>;
+  { t.send_ack(conn, std::uint64_t{}) } -> std::same_as<bool>;
   {
     t.post_data(conn, std::span<const std::uint8_t>{}, std::span<const iovec>{}, Payload::COPY,
                 PendingSend{})
@@ -174,7 +184,9 @@ class ConnectionEngine {
     const auto conn = m_registry.get(address, "send_buffer");
     BufferPool* pool = claim_send_buffer(*conn, buffer, m_name);
     if (pool == nullptr) return counted(conn, NetioStatus::FAILED);
-    const NetioStatus status = derived().post_buffer(conn, buffer);
+    const NetioStatus status = window_full(*conn, buffer->size())
+                                   ? NetioStatus::NO_RESOURCES
+                                   : derived().post_buffer(conn, buffer);
     if (status != NetioStatus::OK) pool->abort_send(buffer);
     return counted(conn, status);
   }
@@ -193,8 +205,10 @@ class ConnectionEngine {
         return counted(conn, NetioStatus::FAILED);
       }
     }
+    const std::uint64_t bytes = total_size(header, iov);
+    if (window_full(*conn, bytes)) return counted(conn, NetioStatus::NO_RESOURCES);
     return counted(conn, derived().post_data(conn, header, iov, Payload::REFERENCE,
-                                             PendingSend{key, nullptr, total_size(header, iov)}));
+                                             PendingSend{key, nullptr, bytes}));
   }
 
   NetioStatus send_data_copy(const EndPointAddress& address, std::span<const iovec> iov,
@@ -206,8 +220,10 @@ class ConnectionEngine {
           fmt::format("{}: send_data_copy is not supported {}", m_name, Derived::NO_COPY_SENDS));
     }
     if (!header_ok(address, header, m_name)) return counted(conn, NetioStatus::FAILED);
+    const std::uint64_t bytes = total_size(header, iov);
+    if (window_full(*conn, bytes)) return counted(conn, NetioStatus::NO_RESOURCES);
     return counted(conn, derived().post_data(conn, header, iov, Payload::COPY,
-                                             PendingSend{key, nullptr, total_size(header, iov)}));
+                                             PendingSend{key, nullptr, bytes}));
   }
 
   // ---- statistics (any thread) -----------------------------------------------------------
@@ -433,7 +449,38 @@ class ConnectionEngine {
     c.bytes_received.store(c.bytes_received.load(std::memory_order_relaxed) + bytes.size(),
                            std::memory_order_relaxed);
     m_notifier.data(conn.remote, bytes);
+    if (conn.acks.peer_wants_acks) [[unlikely]] {
+      delivered_one(conn);
+    }
     return still_open(conn);
+  }
+
+  // The peer acknowledged that `count` of this side's messages were handed to its application
+  // (cumulative): the sends that ends complete. False when the caller must not go on (the
+  // connection closed: the count broke the protocol, or a callback closed it; the backend
+  // is being destroyed). Loop thread.
+  bool acknowledgement(const std::shared_ptr<Conn>& conn, std::uint64_t count) {
+    std::vector<PendingSend> done;
+    bool valid = false;
+    SendLedger::Counts counts;
+    {
+      const std::lock_guard lock{conn->mutex};
+      valid = conn->ledger.acknowledge(count, done);
+      counts = conn->ledger.counts();
+    }
+    if (!valid) {
+      const auto reason =
+          fmt::format("protocol error: the peer acknowledged {} messages of {} sent{}", count,
+                      counts.accepted,
+                      conn->params.delivery.acknowledged ? "" : " (none were to be acknowledged)");
+      NETIO3_WARN("{}: closing connection with {}: {}", m_name, conn->remote, reason);
+      close(conn, reason, CloseCause::PROTOCOL);
+      return false;
+    }
+    for (const auto& send : done) {
+      if (!completed(*conn, send)) return false;
+    }
+    return still_open(*conn);
   }
 
   // on_send_completed_cb (the buffer of a buffered send is back in its pool); false when the
@@ -477,6 +524,12 @@ class ConnectionEngine {
     if (shut_down()) {
       Derived::abandon(*conn);
       return;
+    }
+    // What the application was handed before it closed is acknowledged before the goodbye.
+    if (cause == CloseCause::LOCAL && conn->phase == Phase::OPEN &&
+        conn->acks.delivered != conn->acks.acked) {
+      (void)send_ack(conn);  // no room: the peer's close lists them (docs/semantics.md)
+      if (shut_down() || conn->ending()) return;
     }
     Phase previous{};
     {
@@ -589,6 +642,8 @@ class ConnectionEngine {
     if (m_shut_down.exchange(true)) return false;
     if (m_setup) m_setup->close();
     if (m_liveness) m_liveness->close();
+    m_ack_hook.close();
+    m_acks_due.clear();
     return true;
   }
   [[nodiscard]] bool shut_down() const noexcept {
@@ -649,6 +704,65 @@ class ConnectionEngine {
       conn->counters.failed.fetch_add(1, std::memory_order_relaxed);
     }
     return status;
+  }
+
+  // An acknowledged connection holds what it sent until the peer acknowledges it: a send
+  // of `bytes` past its replay window is refused (NO_RESOURCES; the acknowledgements'
+  // completions end the episode). Any thread. Racing sends may each pass: the window is
+  // exceeded by at most one message per sending thread.
+  bool window_full(const Conn& conn, std::uint64_t bytes) const {
+    if (!conn.params.delivery.acknowledged) [[likely]] {
+      return false;
+    }
+    std::uint64_t held = 0;
+    {
+      const std::lock_guard lock{conn.mutex};
+      held = conn.ledger.outstanding_bytes();
+    }
+    return held > 0 && held + bytes > conn.params.delivery.replay_window;
+  }
+
+  // A message was handed to on_data_cb on a connection whose peer wants acknowledgements:
+  // counted, and an acknowledgement is due at the end of this round of the loop (one per
+  // connection per round, carrying the latest count). Loop thread.
+  void delivered_one(const Conn& conn) {
+    ++conn.acks.delivered;
+    if (conn.acks.ack_due) return;
+    conn.acks.ack_due = true;
+    if (!m_ack_hook) {
+      std::weak_ptr<Derived> weak = derived().weak_from_this();
+      m_ack_hook = m_loop->add_prepare_hook([weak] {
+        if (auto self = weak.lock()) self->send_due_acks();
+        return true;
+      });
+    }
+    m_acks_due.push_back(
+        std::const_pointer_cast<Conn>(std::static_pointer_cast<const Conn>(conn.shared_from_this())));
+  }
+
+  // The prepare hook: the acknowledgements due this round.
+  void send_due_acks() {
+    if (m_acks_due.empty() || shut_down()) return;
+    m_acks_sending.swap(m_acks_due);
+    for (const auto& conn : m_acks_sending) {
+      conn->acks.ack_due = false;
+      if (shut_down()) break;
+      // Closing: close() sent what the application was handed, or the peer is gone.
+      if (conn->phase == Phase::OPEN && !send_ack(conn) && conn->phase == Phase::OPEN) {
+        conn->acks.ack_due = true;  // no room in the transport: next round
+        m_acks_due.push_back(conn);
+      }
+    }
+    m_acks_sending.clear();
+  }
+
+  // False when the transport had no room for it.
+  bool send_ack(const std::shared_ptr<Conn>& conn) {
+    const std::uint64_t count = conn->acks.delivered;
+    if (count == conn->acks.acked) return true;
+    if (!derived().send_ack(conn, count)) return false;
+    conn->acks.acked = std::max(conn->acks.acked, count);
+    return true;
   }
 
   // A send was refused for `cause` (any thread): the episode waits on it. The refusal and
@@ -838,6 +952,11 @@ class ConnectionEngine {
   std::atomic<std::uint64_t> m_next_id{1};
   std::optional<SetupDeadlines<Conn>> m_setup;  // set in start_engine()
   std::optional<Liveness<Conn>> m_liveness;     // set in start_engine()
+  // Connections owing their peer an acknowledgement this round (delivered_one()), and the
+  // hook that sends them (added at the first). Loop thread only.
+  PrepareHookHandle m_ack_hook;
+  std::vector<std::shared_ptr<Conn>> m_acks_due;
+  std::vector<std::shared_ptr<Conn>> m_acks_sending;
   // Loop thread only.
   int m_api_depth{0};  // API calls in progress
   // CLOSING, by id (written on the loop thread), and the counts of those that ended.

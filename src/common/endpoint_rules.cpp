@@ -102,6 +102,9 @@ void check_connection_parameters(const ConnectionParameters& params, const Netwo
   if (zc.mr_start != nullptr && zc.buf_size == 0) {
     fail("send_zero_copy_params.mr_start set with buf_size 0");
   }
+  if (params.delivery.acknowledged && params.delivery.replay_window == 0) {
+    fail("delivery.acknowledged with a replay_window of 0 bytes");
+  }
 }
 
 }  // namespace netio3::detail

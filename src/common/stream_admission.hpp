@@ -78,7 +78,7 @@ class StreamAdmission {
     return admission_step(conn, conn->admission->on_frame(kind, body));
   }
 
-  // What this side sends first: its greeting (`greeting`, with admission's flags: a keyed side
+  // What this side sends first: its greeting (`greeting`, its flags joined by admission's: a keyed side
   // announces it, a server with a key or an accept hook tells the client to wait for its
   // verdict) and, with a key, its CHALLENGE. Starts the connection's admission exchange.
   std::vector<std::uint8_t> admission_opening(Conn& conn, Greeting greeting) {
@@ -89,7 +89,7 @@ class StreamAdmission {
                              backend.m_config.identity);
     }
     const auto challenge = conn.admission->start();
-    greeting.flags = conn.admission->greeting_flags();
+    greeting.flags |= conn.admission->greeting_flags();
     const auto encoded = encode_greeting(greeting);
     std::vector<std::uint8_t> out{encoded.begin(), encoded.end()};
     if (!challenge.empty()) {

@@ -57,6 +57,10 @@ inline constexpr std::uint32_t GREETING_REFUSED_ADDRESS_IN_USE = 1U;
 // by its REFUSAL frame, not by the greeting.
 inline constexpr std::uint32_t GREETING_KEYED = 1U << 1U;
 inline constexpr std::uint32_t GREETING_VERDICT = 1U << 2U;
+// Delivery acknowledgement (asyncmsg 1.5, the UCX control channel 3.x likewise): the sender of
+// the greeting wants its messages acknowledged (DeliveryParameters::acknowledged); the peer
+// sends ACK frames (asyncmsg) or messages (UCX) with the count it handed to its application.
+inline constexpr std::uint32_t GREETING_ACKNOWLEDGE = 1U << 3U;
 inline constexpr std::size_t FRAME_HEADER_SIZE = 8;
 inline constexpr std::uint8_t FRAME_DATA = 1;
 // No body; sent by asyncmsg 1.2 to a 1.2 peer (common/liveness.hpp).
@@ -68,6 +72,11 @@ inline constexpr std::uint8_t FRAME_REFUSAL = 5;
 // No body; sent by asyncmsg 1.4 to a 1.4 peer as the last frame of a connection it closes in
 // order: a 1.4 peer whose stream ends without it reads the peer as lost, not closed.
 inline constexpr std::uint8_t FRAME_GOODBYE = 6;
+// An 8-byte body: the count (little endian) of the peer's DATA messages this side handed to
+// its application, since the connection began. Sent by asyncmsg 1.5 to a peer whose greeting
+// had GREETING_ACKNOWLEDGE, never otherwise.
+inline constexpr std::uint8_t FRAME_ACK = 7;
+inline constexpr std::size_t ACK_BODY_SIZE = 8;
 // Lengths travel as 32-bit numbers.
 inline constexpr std::size_t WIRE_MAX_MESSAGE_SIZE = 0xFFFF'FFFFU;
 
@@ -81,14 +90,16 @@ struct FrameProtocol {
 // 1.1: the refusal greeting; 1.2: HEARTBEAT frames, sent only to a peer whose greeting says
 // 1.2 or later (an older peer rejects the frame type); 1.3: admission (the greeting flags
 // KEYED and VERDICT, the frames CHALLENGE, PROOF and REFUSAL); 1.4: the GOODBYE frame, sent
-// only to a peer whose greeting says 1.4 or later.
-inline constexpr FrameProtocol ASYNCMSG_PROTOCOL{"asyncmsg", ASYNCMSG_MAJOR, 4,
-                                                 (1U << FRAME_DATA) | (1U << FRAME_HEARTBEAT) |
-                                                     (1U << FRAME_CHALLENGE) | (1U << FRAME_PROOF) |
-                                                     (1U << FRAME_REFUSAL) | (1U << FRAME_GOODBYE)};
+// only to a peer whose greeting says 1.4 or later; 1.5: delivery acknowledgement (the
+// greeting flag ACKNOWLEDGE, the ACK frame).
+inline constexpr FrameProtocol ASYNCMSG_PROTOCOL{
+    "asyncmsg", ASYNCMSG_MAJOR, 5,
+    (1U << FRAME_DATA) | (1U << FRAME_HEARTBEAT) | (1U << FRAME_CHALLENGE) | (1U << FRAME_PROOF) |
+        (1U << FRAME_REFUSAL) | (1U << FRAME_GOODBYE) | (1U << FRAME_ACK)};
 inline constexpr std::uint16_t ASYNCMSG_HEARTBEAT_MINOR = 2;
 inline constexpr std::uint16_t ASYNCMSG_ADMISSION_MINOR = 3;
 inline constexpr std::uint16_t ASYNCMSG_GOODBYE_MINOR = 4;
+inline constexpr std::uint16_t ASYNCMSG_ACK_MINOR = 5;
 
 // The default major is asyncmsg's, whose greeting this layout was first.
 struct Greeting {

@@ -112,52 +112,56 @@ std::optional<EndPointAddress> wait_connected(Node& client, Node& server,
   return std::nullopt;
 }
 
-NetioStatus send_one(Node& node, const EndPointAddress& to, SendMode mode,
+NetioStatus try_send(Node& node, const EndPointAddress& to, SendMode mode,
                      std::span<const std::uint8_t> message, std::span<std::uint8_t> region,
                      std::uint64_t index, std::uint64_t* key_out) {
   const std::size_t header_len = std::min<std::size_t>(message.size(), 8);
   const auto header = message.first(header_len);
   const auto payload = message.subspan(header_len);
+  NetioStatus status = NetioStatus::FAILED;
+  std::uint64_t key = index;
+  switch (mode) {
+    case SendMode::BUFFERED: {
+      // SAFE: the connection must not close between get_buffer and send_buffer (see
+      // Recorder::hold_buffers). UNSAFE runs on the loop thread, which is serial anyway.
+      std::shared_lock<std::shared_mutex> guard;
+      if (node.model == ThreadSafetyModel::SAFE) guard = node.rec.hold_buffers();
+      status = node.call([&] {
+        NetworkBuffer* buffer = node.backend->get_buffer(to);
+        if (buffer == nullptr) return NetioStatus::NO_RESOURCES;
+        buffer->write(message);
+        key = buffer->id();
+        const auto s = node.backend->send_buffer(to, buffer);
+        return s;
+      });
+      break;
+    }
+    case SendMode::ZERO_COPY: {
+      // The payload must already be at region[offset]; find it by content position.
+      auto* where = region.data() + index * message.size() + header_len;
+      if (!payload.empty()) std::memcpy(where, payload.data(), payload.size());
+      status = node.call([&] {
+        return node.backend->send_data(to, std::span<std::uint8_t>{where, payload.size()}, header,
+                                       index);
+      });
+      break;
+    }
+    case SendMode::COPY:
+      status = node.call([&] { return node.backend->send_data_copy(to, payload, header, index); });
+      break;
+  }
+  if (key_out != nullptr) *key_out = key;
+  return status;
+}
+
+NetioStatus send_one(Node& node, const EndPointAddress& to, SendMode mode,
+                     std::span<const std::uint8_t> message, std::span<std::uint8_t> region,
+                     std::uint64_t index, std::uint64_t* key_out) {
   for (;;) {
     const std::size_t completed_before =
         node.rec.snapshot().size();  // any new event may have freed resources
-    NetioStatus status = NetioStatus::FAILED;
-    std::uint64_t key = index;
-    switch (mode) {
-      case SendMode::BUFFERED: {
-        // SAFE: the connection must not close between get_buffer and send_buffer (see
-        // Recorder::hold_buffers). UNSAFE runs on the loop thread, which is serial anyway.
-        std::shared_lock<std::shared_mutex> guard;
-        if (node.model == ThreadSafetyModel::SAFE) guard = node.rec.hold_buffers();
-        status = node.call([&] {
-          NetworkBuffer* buffer = node.backend->get_buffer(to);
-          if (buffer == nullptr) return NetioStatus::NO_RESOURCES;
-          buffer->write(message);
-          key = buffer->id();
-          const auto s = node.backend->send_buffer(to, buffer);
-          return s;
-        });
-        break;
-      }
-      case SendMode::ZERO_COPY: {
-        // The payload must already be at region[offset]; find it by content position.
-        auto* where = region.data() + index * message.size() + header_len;
-        if (!payload.empty()) std::memcpy(where, payload.data(), payload.size());
-        status = node.call([&] {
-          return node.backend->send_data(to, std::span<std::uint8_t>{where, payload.size()}, header,
-                                         index);
-        });
-        break;
-      }
-      case SendMode::COPY:
-        status =
-            node.call([&] { return node.backend->send_data_copy(to, payload, header, index); });
-        break;
-    }
-    if (status != NetioStatus::NO_RESOURCES) {
-      if (key_out != nullptr) *key_out = key;
-      return status;
-    }
+    const NetioStatus status = try_send(node, to, mode, message, region, index, key_out);
+    if (status != NetioStatus::NO_RESOURCES) return status;
     // Back-pressure: wait for something to happen (a completion frees a buffer or queue
     // space) before retrying.
     if (!node.rec.wait([&](const Recorder& r) { return r.events().size() > completed_before; })) {

@@ -101,5 +101,9 @@ class Node {
 NetioStatus send_one(Node& node, const EndPointAddress& to, SendMode mode,
                      std::span<const std::uint8_t> message, std::span<std::uint8_t> region,
                      std::uint64_t index, std::uint64_t* key = nullptr);
+// One attempt of send_one: NO_RESOURCES is returned, not retried.
+NetioStatus try_send(Node& node, const EndPointAddress& to, SendMode mode,
+                     std::span<const std::uint8_t> message, std::span<std::uint8_t> region,
+                     std::uint64_t index, std::uint64_t* key = nullptr);
 
 }  // namespace netio3::conformance

@@ -101,7 +101,7 @@ TEST_F(HostileAsyncmsg, AbsurdFrameLengthIsRefusedAtOnce) {
 
 // Type 2 is a HEARTBEAT (protocol 1.2), which has no body; 3, 4 and 5 are the admission
 // frames of the set-up (1.3), which an established connection never takes; 6 is a GOODBYE
-// (1.4), which has no body.
+// (1.4), which has no body; 7 an ACK (1.5), whose body is 8 bytes.
 std::string bad_frame_reason(std::uint8_t type) {
   switch (type) {
     case 2:
@@ -114,6 +114,8 @@ std::string bad_frame_reason(std::uint8_t type) {
       return "a REFUSAL frame after the set-up";
     case 6:
       return "a GOODBYE frame with 16 bytes of body";
+    case 7:
+      return "an ACK frame with 16 bytes of body";
     default:
       return fmt::format("unknown frame type {}", type);
   }
@@ -121,7 +123,7 @@ std::string bad_frame_reason(std::uint8_t type) {
 
 TEST_F(HostileAsyncmsg, UnknownFrameType) {
   ASSERT_NO_FATAL_FAILURE(start());
-  for (const std::uint8_t type : {0, 2, 3, 4, 5, 6, 7, 0x80, 0xFF}) {
+  for (const std::uint8_t type : {0, 2, 3, 4, 5, 6, 7, 8, 0x80, 0xFF}) {
     const std::uint32_t stream = new_stream();
     RawPeer peer{m_listen};
     Bytes all = greeting();
@@ -270,6 +272,53 @@ TEST_F(HostileAsyncmsg, TheGoodbyeTellsAnOrderlyEndFromALostPeer) {
   finish();
 }
 
+// Delivery acknowledgement (1.5): a peer that asked in its greeting is sent ACK frames with the
+// count of its messages handed to the application; an ACK for messages this side never sent
+// (or on a connection whose sends are not acknowledged) is a protocol error.
+TEST_F(HostileAsyncmsg, AcknowledgementsGoToPeersThatAskAndForgedOnesCloseTheConnection) {
+  ASSERT_NO_FATAL_FAILURE(start());
+  {
+    const std::uint32_t stream = new_stream();
+    RawPeer peer{m_listen};
+    ASSERT_TRUE(peer.read_exact(GREETING_SIZE).has_value());
+    Bytes all = greeting(1, 5, 0xFFFF'FFFFU, GREETING_FLAG_ACKNOWLEDGE);
+    append(all, make_frame(stream, 0, 64));
+    append(all, make_frame(stream, 1, 64));
+    ASSERT_TRUE(peer.send_all(all));
+    EXPECT_TRUE(m_checker.wait_received(stream, 2, PROMPT));
+    // ACK frames until one counts both messages (one per round of the server's loop).
+    std::uint64_t count = 0;
+    while (count < 2) {
+      const auto header = peer.read_exact(HEADER_SIZE);
+      ASSERT_TRUE(header.has_value()) << "no ACK frame counting 2 messages";
+      ASSERT_EQ((*header)[4], FRAME_TYPE_ACK) << "a frame other than ACK";
+      ASSERT_EQ(get_le32(header->data()), 8U);
+      const auto body = peer.read_exact(8);
+      ASSERT_TRUE(body.has_value());
+      const auto next = get_le64(body->data());
+      EXPECT_GT(next, count) << "acknowledgements go forward";
+      count = next;
+    }
+    EXPECT_EQ(count, 2U);
+  }
+  {
+    RawPeer peer{m_listen};
+    ASSERT_TRUE(peer.read_exact(GREETING_SIZE).has_value());
+    Bytes all = greeting(1, 5);
+    Bytes ack(8);
+    put_le64(ack.data(), 3);
+    append(all, frame_header(8, FRAME_TYPE_ACK));
+    append(all, ack);
+    ASSERT_TRUE(peer.send_all(all));
+    ASSERT_TRUE(wait_server_event(Recorder::Kind::CLOSED, peer.local()));
+    const auto reason = server_close_reason(peer.local());
+    ASSERT_TRUE(reason.has_value());
+    EXPECT_EQ(reason->cause, netio3::CloseCause::PROTOCOL_ERROR) << reason->message;
+    EXPECT_THAT(reason->message, ::testing::HasSubstr("acknowledged 3 messages of 0 sent"));
+  }
+  finish();
+}
+
 TEST_F(HostileAsyncmsg, ResetAtEveryStage) {
   ASSERT_NO_FATAL_FAILURE(start());
   enum Stage {
@@ -349,8 +398,8 @@ TEST_F(HostileAsyncmsg, ByteByByteIsLegal) {
   RawPeer peer{m_listen};
   const auto server_greeting = peer.read_exact(GREETING_SIZE);
   ASSERT_TRUE(server_greeting.has_value());
-  EXPECT_EQ(*server_greeting, greeting(1, 4, static_cast<std::uint32_t>(DEFAULT_MAX)))
-      << "the server announces protocol 1.4 and its limit in its greeting, and no admission "
+  EXPECT_EQ(*server_greeting, greeting(1, 5, static_cast<std::uint32_t>(DEFAULT_MAX)))
+      << "the server announces protocol 1.5 and its limit in its greeting, and no admission "
          "flags (it has no key and no accept hook)";
   const auto begin = Clock::now();
   ASSERT_TRUE(peer.send_bytewise(all));

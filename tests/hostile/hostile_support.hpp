@@ -90,6 +90,16 @@ inline std::uint32_t get_le32(const std::uint8_t* p) {
   return static_cast<std::uint32_t>(p[0]) | (static_cast<std::uint32_t>(p[1]) << 8U) |
          (static_cast<std::uint32_t>(p[2]) << 16U) | (static_cast<std::uint32_t>(p[3]) << 24U);
 }
+inline void put_le64(std::uint8_t* p, std::uint64_t v) {
+  for (unsigned i = 0; i < 8; ++i) p[i] = static_cast<std::uint8_t>((v >> (8U * i)) & 0xFFU);
+}
+inline std::uint64_t get_le64(const std::uint8_t* p) {
+  return static_cast<std::uint64_t>(get_le32(p)) |
+         (static_cast<std::uint64_t>(get_le32(p + 4)) << 32U);
+}
+// asyncmsg 1.5: the greeting flag that asks the peer to acknowledge, and the ACK frame.
+constexpr std::uint32_t GREETING_FLAG_ACKNOWLEDGE = 1U << 3U;
+constexpr std::uint8_t FRAME_TYPE_ACK = 7;
 
 inline Bytes greeting(std::uint16_t major = 1, std::uint16_t minor = 0,
                       std::uint32_t max_message = 0xFFFF'FFFFU, std::uint32_t flags = 0) {

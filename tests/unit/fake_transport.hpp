@@ -45,6 +45,7 @@ struct FakeConnection : detail::ConnectionBase {
   bool graceful{false};
   bool abandoned{false};
   int heartbeats_sent{0};
+  std::vector<std::uint64_t> acks_sent;  // send_ack's counts
   bool reading{true};  // receiving(): false pauses the peer-timeout judgement
 };
 
@@ -158,6 +159,10 @@ class FakeTransport : public detail::ConnectionEngine<FakeTransport, FakeConnect
   void close_listener(const std::shared_ptr<FakeListener>& listener) { listener->closed = true; }
 
   void send_heartbeat(const std::shared_ptr<FakeConnection>& conn) { ++conn->heartbeats_sent; }
+  bool send_ack(const std::shared_ptr<FakeConnection>& conn, std::uint64_t count) {
+    conn->acks_sent.push_back(count);
+    return true;
+  }
 
   [[nodiscard]] static bool receiving(const FakeConnection& conn) { return conn.reading; }
 

@@ -147,5 +147,85 @@ TEST(SendLedger, RetractUndoesTheLatestAddCompletely) {
   (void)c;
 }
 
+// Acknowledged: a send ends when both the transport completed it and the peer's count covers
+// it, whichever comes last; in every order of the two over four sends.
+TEST(SendLedger, AnAcknowledgedSendEndsWhenTransportAndPeerAreBothDone) {
+  // Each step: complete ticket t (t < 4), or acknowledge up to t - 4 + 1 (t >= 4).
+  std::vector<int> steps{0, 1, 2, 3, 4, 5, 6, 7};
+  int orders = 0;
+  do {
+    // Acknowledgements are cumulative and go forward: only orders with 4..7 ascending.
+    std::vector<int> acks;
+    for (const int s : steps) {
+      if (s >= 4) acks.push_back(s);
+    }
+    if (!std::is_sorted(acks.begin(), acks.end())) continue;
+    ++orders;
+    SendLedger ledger;
+    ledger.expect_acknowledgements();
+    ASSERT_TRUE(ledger.acknowledged());
+    std::vector<Ticket> tickets;
+    for (std::uint64_t k = 0; k < 4; ++k) tickets.push_back(ledger.add(PendingSend{10 + k, nullptr, 100}));
+    EXPECT_EQ(ledger.outstanding_bytes(), 400U);
+    std::vector<bool> transported(4, false);
+    std::uint64_t acked = 0;
+    std::vector<std::uint64_t> ended;
+    for (const int s : steps) {
+      if (s < 4) {
+        PendingSend out{};
+        const bool ends = ledger.complete(tickets[static_cast<std::size_t>(s)], out);
+        transported[static_cast<std::size_t>(s)] = true;
+        EXPECT_EQ(ends, static_cast<std::uint64_t>(s) < acked);
+        if (ends) ended.push_back(out.key);
+      } else {
+        acked = static_cast<std::uint64_t>(s - 3);
+        std::vector<PendingSend> out;
+        ASSERT_TRUE(ledger.acknowledge(acked, out));
+        for (const auto& o : out) {
+          EXPECT_TRUE(transported[o.key - 10]) << "ended before the transport completed it";
+          EXPECT_LT(o.key - 10, acked) << "ended before the peer acknowledged it";
+          ended.push_back(o.key);
+        }
+      }
+    }
+    EXPECT_EQ(std::set<std::uint64_t>(ended.begin(), ended.end()),
+              (std::set<std::uint64_t>{10, 11, 12, 13}));
+    EXPECT_EQ(ended.size(), 4U) << "each send ends once";
+    EXPECT_EQ(ledger.outstanding(), 0U);
+    EXPECT_EQ(ledger.outstanding_bytes(), 0U);
+  } while (std::next_permutation(steps.begin(), steps.end()));
+  EXPECT_EQ(orders, 40320 / 24);
+}
+
+TEST(SendLedger, AcknowledgementsThatGoBackOrPastWhatWasSentAreRejected) {
+  SendLedger ledger;
+  ledger.expect_acknowledgements();
+  const auto a = ledger.add(PendingSend{1, nullptr, 10});
+  (void)ledger.add(PendingSend{2, nullptr, 10});
+  std::vector<PendingSend> out;
+  EXPECT_FALSE(ledger.acknowledge(3, out)) << "3 acknowledged, 2 sent";
+  EXPECT_TRUE(ledger.acknowledge(1, out));
+  EXPECT_TRUE(out.empty()) << "not completed by the transport yet";
+  EXPECT_FALSE(ledger.acknowledge(0, out)) << "an acknowledgement went back";
+  EXPECT_TRUE(ledger.acknowledge(1, out)) << "the same count again is harmless";
+  PendingSend done{};
+  EXPECT_TRUE(ledger.complete(a, done));
+  EXPECT_EQ(done.key, 1U);
+  const auto cancelled = ledger.cancel_all();
+  ASSERT_EQ(cancelled.size(), 1U) << "the unacknowledged send is cancelled";
+  EXPECT_EQ(cancelled[0].key, 2U);
+  EXPECT_TRUE(ledger.acknowledge(5, out)) << "a closed ledger ignores acknowledgements";
+  EXPECT_TRUE(out.empty());
+}
+
+TEST(SendLedger, APlainLedgerTakesNoAcknowledgement) {
+  SendLedger ledger;
+  (void)ledger.add(PendingSend{1, nullptr, 10});
+  std::vector<PendingSend> out;
+  EXPECT_FALSE(ledger.acknowledged());
+  EXPECT_FALSE(ledger.acknowledge(1, out));
+  EXPECT_EQ(ledger.outstanding_bytes(), 10U);
+}
+
 }  // namespace
 }  // namespace netio3::detail

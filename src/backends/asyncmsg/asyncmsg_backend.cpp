@@ -256,9 +256,21 @@ bool Backend::on_message(const std::shared_ptr<Connection>& conn,
       !conn->close_requested.load(std::memory_order_relaxed)) [[unlikely]] {
     return setup_protocol_error(conn,
                                 fmt::format("a {} frame before the connection was admitted",
-                                            type == detail::FRAME_DATA ? "DATA" : "HEARTBEAT"));
+                                            type == detail::FRAME_DATA  ? "DATA"
+                                            : type == detail::FRAME_ACK ? "ACK"
+                                                                        : "HEARTBEAT"));
   }
   if (!still_open(*conn)) return false;
+  if (type == detail::FRAME_ACK) [[unlikely]] {
+    if (message.size() == detail::ACK_BODY_SIZE) {
+      return acknowledgement(conn, detail::load_le64(message.data()));
+    }
+    const auto reason =
+        fmt::format("protocol error: an ACK frame with {} bytes of body", message.size());
+    NETIO3_WARN("asyncmsg: closing connection with {}: {}", conn->remote, reason);
+    close(conn, reason, CloseCause::PROTOCOL);
+    return false;
+  }
   if (type == detail::FRAME_HEARTBEAT) [[unlikely]] {
     if (message.empty()) return true;
     const auto reason =
@@ -297,10 +309,28 @@ bool Backend::on_goodbye(const std::shared_ptr<Connection>& conn, std::uint8_t t
 void Backend::send_heartbeat(const std::shared_ptr<Connection>& conn) {
   std::array<std::uint8_t, FRAME_HEADER_SIZE> frame{};
   encode_frame_header(frame.data(), 0, detail::FRAME_HEARTBEAT);
+  send_control(conn, frame, false);
+}
+
+bool Backend::send_ack(const std::shared_ptr<Connection>& conn, std::uint64_t count) {
+  std::array<std::uint8_t, FRAME_HEADER_SIZE + detail::ACK_BODY_SIZE> frame{};
+  encode_frame_header(frame.data(), detail::ACK_BODY_SIZE, detail::FRAME_ACK);
+  detail::store_le64(frame.data() + FRAME_HEADER_SIZE, count);
+  // Also from the application's close (the engine sends the last count before the goodbye,
+  // while the connection is still open but close_requested may be set).
+  send_control(conn, frame, true);
+  return true;
+}
+
+void Backend::send_control(const std::shared_ptr<Connection>& conn,
+                           std::span<const std::uint8_t> frame, bool closing_too) {
   bool need_flush = false;
   {
     const std::lock_guard lock{conn->mutex};
-    if (conn->close_requested.load(std::memory_order_relaxed) || conn->phase != Phase::OPEN) return;
+    if (conn->phase != Phase::OPEN ||
+        (!closing_too && conn->close_requested.load(std::memory_order_relaxed))) {
+      return;
+    }
     std::span<const std::uint8_t> rest{frame};
     if (conn->queue.empty()) {
       // Idle (the usual case): written at once. The socket is written on the loop thread
@@ -310,8 +340,8 @@ void Backend::send_heartbeat(const std::shared_ptr<Connection>& conn) {
       if (n > 0) rest = rest.subspan(static_cast<std::size_t>(n));
       if (rest.empty()) return;
     }
-    // Between two messages (appends are whole messages), outside max_unsent_bytes: 8 bytes
-    // a period. A failed write is found again (and reported) by the flush.
+    // Between two messages (appends are whole messages), outside max_unsent_bytes: a few
+    // bytes a period or a round. A failed write is found again (and reported) by the flush.
     conn->queue.append_copy(rest);
     need_flush = !std::exchange(conn->flush_pending, true);
   }

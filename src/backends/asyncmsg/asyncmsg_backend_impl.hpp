@@ -232,6 +232,7 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
   // A HEARTBEAT frame (common/liveness.hpp): written at once when nothing is queued, else
   // queued between two messages.
   void send_heartbeat(const std::shared_ptr<Connection>& conn);
+  bool send_ack(const std::shared_ptr<Connection>& conn, std::uint64_t count);
 
   // Statistics (under the connection's lock): bytes not yet written to the socket, frame
   // headers included.
@@ -386,6 +387,11 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
   // Writes the GOODBYE frame (a peer of 1.4 or later, nothing queued: the stream is between
   // two frames) on a connection that was open; under the connection's mutex.
   static void say_goodbye(Connection& conn) noexcept;
+  // A frame outside the application's sends (heartbeat, ACK): written at once when nothing is
+  // queued, else queued behind what is (outside max_unsent_bytes). Not once the connection
+  // is closing, nor (unless `closing_too`) once the application asked to close it.
+  void send_control(const std::shared_ptr<Connection>& conn, std::span<const std::uint8_t> frame,
+                    bool closing_too);
   // A GOODBYE frame, or any frame after one: the latter and a GOODBYE with a body are protocol
   // errors. False: the connection is closing.
   bool on_goodbye(const std::shared_ptr<Connection>& conn, std::uint8_t type,

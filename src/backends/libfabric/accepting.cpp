@@ -108,7 +108,9 @@ void Backend::on_connection_request(Domain& domain, const fi_eq_cm_entry& entry,
     try {
       conn = make_connection(*remote, listener->params, listener->id, domain, Phase::HANDSHAKE,
                              listener->shared_recv ? listener->shared_recv : global_recv(domain));
-      take_peer_cm_data(*conn, *peer);
+      if (!take_peer_cm_data(*conn, *peer)) {
+        throw std::runtime_error(std::string{detail::PEER_CANNOT_ACKNOWLEDGE});
+      }
       open_endpoint(*conn, info.get());
     } catch (const std::exception& e) {
       reject(e.what());

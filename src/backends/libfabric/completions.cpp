@@ -10,14 +10,14 @@ void Backend::on_completion(const Domain& domain, const fi_cq_data_entry& entry)
   if (op == nullptr) return;
   if (op->kind == Op::Kind::RECV) {
     op->recv->posted.fetch_sub(1, std::memory_order_relaxed);
-    // Remote CQ data: a heartbeat (the token), or a tagged message (the token and the tag
-    // bit: a shared receive context's, CM_TAG_DATA).
+    // Remote CQ data: a heartbeat, goodbye or acknowledgement (the token), or a tagged
+    // message (the token and the tag bit: a shared receive context's, CM_TAG_DATA).
     if ((entry.flags & FI_REMOTE_CQ_DATA) != 0) [[unlikely]] {
       const std::uint64_t tag_bit = cq_tag_bit(domain.cq_data_size());
       if ((entry.data & tag_bit) != 0) {
         on_received(*op, entry.len, entry.data & ~tag_bit);
       } else {
-        on_heartbeat(*op, entry.data, entry.len == GOODBYE_SIZE);
+        on_control(*op, entry.data, entry.len);
       }
       return;
     }

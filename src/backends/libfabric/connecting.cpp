@@ -149,7 +149,12 @@ void Backend::on_connected(const std::shared_ptr<Connection>& conn,
       return;
     }
     if (conn->admission && !server_proved(conn, *peer, cm_tail(data))) return;
-    take_peer_cm_data(*conn, *peer);
+    if (!take_peer_cm_data(*conn, *peer)) {
+      NETIO3_WARN("libfabric: connection with {}: {}", conn->remote,
+                  detail::PEER_CANNOT_ACKNOWLEDGE);
+      refuse(conn, RefusalCause::SETUP_FAILED, detail::PEER_CANNOT_ACKNOWLEDGE);
+      return;
+    }
   }
   if (conn->setting_up()) (void)established(conn, capabilities(*conn));
 }

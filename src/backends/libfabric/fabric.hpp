@@ -104,6 +104,16 @@ inline constexpr std::uint16_t CM_TAG_DATA = 4;
 // socket in order), not as a close. An older peer counts a goodbye as a heartbeat.
 inline constexpr std::uint16_t CM_GOODBYE = 128;
 inline constexpr std::size_t GOODBYE_SIZE = 1;
+// Delivery acknowledgement (DeliveryParameters): CM_ACKS, this side acknowledges deliveries
+// when asked; CM_ACK_WANTED, it asks the peer to. Then the peer sends, at most once a round of
+// its loop, an ACK_SIZE-byte message - the count (little endian) of this side's data messages
+// it handed to its application - with remote CQ data equal to this side's token. Both sides
+// need tokens (a side that asks gets receive buffers for it: ACK_RECEIVE_BUFFERS). A peer
+// without CM_ACKS cannot be asked: the set-up fails.
+inline constexpr std::uint16_t CM_ACKS = 256;
+inline constexpr std::uint16_t CM_ACK_WANTED = 512;
+inline constexpr std::size_t ACK_SIZE = 8;
+inline constexpr RecvParameters ACK_RECEIVE_BUFFERS{.buf_size = 64, .num_buf = 4};
 // Admission (docs/admission.md, backends/libfabric/admission.hpp): what follows the 24 bytes.
 // CM_KEYED: in a request, the client holds a partition key (its nonce and identity follow, or
 // with CM_PROOF its answer to a challenge); in the accept data, the server's short proof and

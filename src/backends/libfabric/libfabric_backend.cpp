@@ -342,6 +342,11 @@ std::shared_ptr<Connection> Backend::make_connection(const EndPointAddress& remo
   if (own.num_buf == 0 && configured.use_shared_receive_buffers) {
     own = RecvParameters{.buf_size = configured.buf_size, .num_buf = configured.num_buf};
   }
+  // A side whose sends are acknowledged receives the acknowledgements (fabric.hpp).
+  if (own.num_buf == 0 && !shared && params.delivery.acknowledged) {
+    own = ACK_RECEIVE_BUFFERS;
+    conn->recv_for_acks_only = true;
+  }
   if (shared) {
     conn->recv = std::move(shared);
   } else if (own.num_buf > 0) {
@@ -409,7 +414,7 @@ EndpointCapabilities Backend::capabilities(const Connection& conn) {
   return EndpointCapabilities{.send_buffered = conn.send_pool != nullptr,
                               .send_copy = false,
                               .send_zero_copy = conn.region_mr != nullptr,
-                              .receive = conn.recv != nullptr};
+                              .receive = conn.recv != nullptr && !conn.recv_for_acks_only};
 }
 
 NetioStatus Backend::post_send(Connection& conn, std::span<const std::uint8_t> header,

@@ -126,6 +126,7 @@ struct Connection : detail::ConnectionBase {
 
   Domain* const domain;
   std::shared_ptr<RecvBuffers> recv;  // null: this endpoint cannot receive
+  bool recv_for_acks_only{false};     // ACK_RECEIVE_BUFFERS: no data is asked for
 
   // A keyed client's admission (admission.hpp): its nonce, and the server's challenge once the
   // first request was answered with one. Set before the connection is registered, then
@@ -215,6 +216,7 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
 
   // An empty message with remote CQ data, injected (common/liveness.hpp).
   void send_heartbeat(const std::shared_ptr<Connection>& conn);
+  bool send_ack(const std::shared_ptr<Connection>& conn, std::uint64_t count);
 
  private:
   [[nodiscard]] bool safe() const noexcept { return m_thread.safe(); }
@@ -277,7 +279,9 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
   // provider carries remote CQ data, a token where the connection can receive.
   [[nodiscard]] static CmData own_cm_data(const Connection& conn);
   // The peer's connection data: its receive size and what it does with heartbeats.
-  static void take_peer_cm_data(Connection& conn, const CmData& peer);
+  // False when this side's sends are to be acknowledged and the peer cannot
+  // (detail::PEER_CANNOT_ACKNOWLEDGE).
+  [[nodiscard]] static bool take_peer_cm_data(Connection& conn, const CmData& peer);
   // What a client sends with fi_connect: its CmData and, for a keyed client, its admission
   // request (the first, or the answer to the server's challenge).
   [[nodiscard]] std::vector<std::uint8_t> connect_data(const Connection& conn) const;
@@ -362,7 +366,9 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
 
   // A heartbeat (an empty message with remote CQ data: the token), or a goodbye (one byte,
   // CM_GOODBYE), arrived into `op`.
-  void on_heartbeat(Op& op, std::uint64_t token, bool goodbye);
+  // A message with the untagged token as CQ data: a heartbeat (empty), a goodbye or an
+  // acknowledgement (by its length).
+  void on_control(Op& op, std::uint64_t token, std::size_t len);
   // The last message of an orderly close to a peer that takes one (CM_GOODBYE); under the
   // connection's mutex. Injected: nothing of ours for the provider to hold.
   static void say_goodbye(Connection& conn) noexcept;

@@ -92,14 +92,17 @@ NetioStatus Backend::send_message(Connection& conn, std::span<const std::uint8_t
     } else if (status == UCS_OK) {
       // Gone at once: completed now, reported from the loop. The close is reported only
       // once every such completion has been (quiescent() waits for completions_queued).
+      // (An acknowledged send ends later, with the peer's acknowledgement.)
       detail::PendingSend done;
-      conn.ledger.complete(op.ticket, done);
+      const bool ended = conn.ledger.complete(op.ticket, done);
       release_op(conn, op);
-      ++conn.completions_queued;
-      push_event(Event{.kind = Event::Kind::SENT_AT_ONCE,
-                       .conn = std::static_pointer_cast<Connection>(conn.shared_from_this()),
-                       .key = done.key,
-                       .buffer = done.buffer});
+      if (ended) {
+        ++conn.completions_queued;
+        push_event(Event{.kind = Event::Kind::SENT_AT_ONCE,
+                         .conn = std::static_pointer_cast<Connection>(conn.shared_from_this()),
+                         .key = done.key,
+                         .buffer = done.buffer});
+      }
     } else {
       conn.ledger.retract(op.ticket);
       release_op(conn, op);
@@ -116,7 +119,21 @@ NetioStatus Backend::send_message(Connection& conn, std::span<const std::uint8_t
   return NetioStatus::OK;
 }
 
-ucs_status_t Backend::send_control(Connection& conn, MessageType type) {
+bool Backend::send_ack(const std::shared_ptr<Connection>& conn, std::uint64_t count) {
+  std::array<std::uint8_t, ACK_PREFIX_SIZE> prefix{};
+  detail::store_le64(prefix.data(), count);
+  const ucs_status_t status = send_control(*conn, MessageType::ACK, prefix);
+  if (status == UCS_ERR_NO_RESOURCE) return false;
+  if (status != UCS_OK) {
+    // The endpoint failed or is closing: its error closes the connection; the peer's close
+    // lists what this side did not acknowledge.
+    NETIO3_DEBUG("ucx: acknowledgement to {} not sent: {}", conn->remote, status_text(status));
+  }
+  return true;
+}
+
+ucs_status_t Backend::send_control(Connection& conn, MessageType type,
+                                   std::span<const std::uint8_t> prefix) {
   const std::lock_guard lock{conn.mutex};
   if (conn.free_ops.empty() && conn.ops.size() >= MAX_SEND_DEPTH + CONTROL_OPS) {
     return UCS_ERR_NO_RESOURCE;
@@ -125,7 +142,8 @@ ucs_status_t Backend::send_control(Connection& conn, MessageType type) {
   op.control = true;
   op.bytes = 0;
   op.buffer = nullptr;
-  const ucs_status_t status = post(conn, op, type, nullptr, 0, ucp_dt_make_contig(1), nullptr);
+  const ucs_status_t status =
+      post(conn, op, type, nullptr, 0, ucp_dt_make_contig(1), nullptr, prefix);
   if (status != UCS_INPROGRESS) release_op(conn, op);
   return status == UCS_INPROGRESS ? UCS_OK : status;
 }
@@ -290,9 +308,22 @@ ucs_status_t Backend::on_message(std::span<const std::uint8_t> header, void* dat
     protocol_error(*conn, fmt::format("message number {} arrived twice", seq));
     return drop;
   }
+  const std::span<const std::uint8_t> prefix = header.subspan(AM_HEADER_SIZE);
+  if (decoded->type == MessageType::ACK) {
+    // Its count is in the prefix; nothing to hold.
+    if (length != 0) {
+      protocol_error(*conn, fmt::format("an ACK message with {} bytes of payload", length));
+      return drop;
+    }
+    slot.type = MessageType::ACK;
+    slot.count = detail::load_le64(prefix.data());
+    slot.stage = Incoming::Stage::READY;
+    slot.length = 0;
+    mark_dirty(*conn);
+    return UCS_OK;
+  }
   const std::size_t limit =
       decoded->type == MessageType::DATA ? m_config.limits.max_message_size : 0;
-  const std::span<const std::uint8_t> prefix = header.subspan(AM_HEADER_SIZE);
   if (length > limit || prefix.size() > limit - length) {
     protocol_error(*conn, fmt::format("a message of {} bytes exceeds the limit of {} bytes",
                                       prefix.size() + length, limit));
@@ -664,6 +695,10 @@ void Backend::handle_message(const std::shared_ptr<Connection>& conn, const Inco
   }
   if (message.type == MessageType::READY) {
     protocol_error_now(conn, "a second READY");
+    return;
+  }
+  if (message.type == MessageType::ACK) {
+    (void)acknowledgement(conn, message.count);
     return;
   }
   (void)deliver(*conn, std::span<const std::uint8_t>{message.data, message.length});

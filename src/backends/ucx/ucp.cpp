@@ -457,6 +457,13 @@ std::optional<AmHeader> decode_header(std::span<const std::uint8_t> bytes, std::
         return std::nullopt;
       }
       [[fallthrough]];
+    case MessageType::ACK:
+      if (type == MessageType::ACK && prefix != ACK_PREFIX_SIZE) {
+        error = fmt::format("an ACK message with a prefix of {} bytes (expected {})", prefix,
+                            ACK_PREFIX_SIZE);
+        return std::nullopt;
+      }
+      [[fallthrough]];
     case MessageType::DATA:
       return AmHeader{type, detail::load_le64(bytes.data() + 8), prefix,
                       detail::load_le64(bytes.data() + 16)};

@@ -198,6 +198,9 @@ class MemoryMap {
 // side reports the connection established when the peer's READY has arrived over UCX. DATA
 // carries the application's message (send_data's header_data travels as the prefix, so the
 // payload leaves as one contiguous block); BYE (empty) ends the stream.
+// 3.4 adds delivery acknowledgement: the greeting flag ACKNOWLEDGE (common/wire.hpp) asks the
+// peer to acknowledge; then it sends ACK messages whose 8-byte prefix is the count (little
+// endian) of DATA messages it handed to its application. Sent only to a peer that asked.
 
 inline constexpr unsigned AM_ID = 7;
 // Active message ids below this get a handler that drops what arrives on them (all but AM_ID):
@@ -208,7 +211,8 @@ inline constexpr std::size_t AM_HEADER_SIZE = 24;
 inline constexpr std::size_t AM_PREFIX_MAX = 16;
 inline constexpr std::size_t AM_HEADER_MAX = AM_HEADER_SIZE + AM_PREFIX_MAX;
 
-enum class MessageType : std::uint8_t { DATA = 3, BYE = 4, READY = 5 };
+enum class MessageType : std::uint8_t { DATA = 3, BYE = 4, READY = 5, ACK = 6 };
+inline constexpr std::size_t ACK_PREFIX_SIZE = 8;
 
 struct AmHeader {
   MessageType type{};
@@ -232,6 +236,7 @@ inline constexpr std::uint8_t FRAME_CHALLENGE = 5;
 inline constexpr std::uint8_t FRAME_PROOF = 6;
 inline constexpr std::uint8_t FRAME_REFUSAL = 7;
 inline constexpr std::uint16_t ADMISSION_MINOR = 3;
+inline constexpr std::uint16_t ACK_MINOR = 4;
 inline constexpr std::uint8_t BACKEND_UCX = 3;
 inline constexpr std::size_t HELLO_FIXED_SIZE = 24;
 inline constexpr std::size_t CLOSE_SIZE = 8;
@@ -239,9 +244,10 @@ inline constexpr std::size_t CLOSE_SIZE = 8;
 // are a few hundred bytes; one with many devices a few KiB).
 inline constexpr std::size_t MAX_WORKER_ADDRESS = std::size_t{64} << 10U;
 inline constexpr std::size_t MAX_CONTROL_FRAME = HELLO_FIXED_SIZE + MAX_WORKER_ADDRESS;
-// 3.1: the refusal greeting; 3.2: HEARTBEAT frames, sent only to a 3.2 peer; 3.3: admission.
+// 3.1: the refusal greeting; 3.2: HEARTBEAT frames, sent only to a 3.2 peer; 3.3: admission;
+// 3.4: delivery acknowledgement (the ACKNOWLEDGE flag, ACK messages).
 inline constexpr detail::FrameProtocol CONTROL_PROTOCOL{
-    "ucx", detail::UCX_CONTROL_MAJOR, ADMISSION_MINOR,
+    "ucx", detail::UCX_CONTROL_MAJOR, ACK_MINOR,
     (1U << FRAME_HELLO) | (1U << FRAME_CLOSE) | (1U << FRAME_HEARTBEAT) | (1U << FRAME_CHALLENGE) |
         (1U << FRAME_PROOF) | (1U << FRAME_REFUSAL)};
 

@@ -144,6 +144,7 @@ struct Incoming {
   std::unique_ptr<std::uint8_t[]> heap;  // rendezvous into the heap, or a copied message
   Connection* conn{nullptr};             // RECEIVING: for the completion
   std::size_t held{0};  // READY from eager: bytes counted in Backend::m_inbox_bytes
+  std::uint64_t count{0};  // ACK: the peer's count of messages delivered
 };
 
 // The UCP endpoint to a peer worker (see "Endpoints" above). Loop thread only; its address is
@@ -441,7 +442,8 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
                            detail::PendingSend pending);
 
   // READY or BYE, in the reserved slots. Under no lock.
-  ucs_status_t send_control(Connection& conn, MessageType type);
+  ucs_status_t send_control(Connection& conn, MessageType type,
+                            std::span<const std::uint8_t> prefix = {});
 
   // A free op, or a new one (data sends are bounded by MAX_SEND_DEPTH, READY and BYE by
   // CONTROL_OPS, so the deque never grows past their sum).
@@ -581,6 +583,7 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
   // A HEARTBEAT frame on the control channel (common/liveness.hpp): the peer's process and
   // host are alive and its loop runs. What arrives on the control channel is counted.
   void send_heartbeat(const std::shared_ptr<Connection>& conn);
+  bool send_ack(const std::shared_ptr<Connection>& conn, std::uint64_t count);
 
  private:
   // Messages sent on the connection so far (the count a CLOSE announces).
