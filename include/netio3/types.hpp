@@ -119,6 +119,11 @@ struct DeliveryParameters {
   /// when acknowledgements free room. A single message larger than the window is accepted
   /// when nothing is outstanding.
   std::size_t replay_window{std::size_t{64} << 20U};
+  /// Acknowledged sends only: close_active_endpoint first waits this long for what was sent
+  /// before it to be acknowledged (the connection drains: its sends are FAILED, messages
+  /// from the peer are no longer delivered), then closes; the closed callback lists what was
+  /// not acknowledged. A second close_active_endpoint closes at once.
+  std::chrono::milliseconds drain_timeout{10000};
 };
 
 /// What a connection (open_active_endpoint) or the connections of a listen endpoint

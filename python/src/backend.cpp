@@ -14,6 +14,7 @@ struct PyConnectionParameters {
   RecvParameters recv_params{};
   SendBufferedParameters send_buffered_params{};
   py::object send_zero_copy_params = py::none();  // SendZeroCopyParameters or None
+  DeliveryParameters delivery{};
 };
 
 struct PySendZeroCopyParameters {
@@ -300,6 +301,7 @@ ConnectionParameters Backend::parameters(py::handle params,
   const auto& p = params.cast<const PyConnectionParameters&>();
   out.recv_params = p.recv_params;
   out.send_buffered_params = p.send_buffered_params;
+  out.delivery = p.delivery;
   if (!p.send_zero_copy_params.is_none()) {
     const auto& zc = p.send_zero_copy_params.cast<const PySendZeroCopyParameters&>();
     if (!zc.region.is_none()) {
@@ -500,17 +502,31 @@ inside it; netio3 holds it until the connection ends.)doc")
       .def(py::init([](py::object region) { return PySendZeroCopyParameters{std::move(region)}; }),
            py::arg("region") = py::none())
       .def_readwrite("region", &PySendZeroCopyParameters::region);
+  py::class_<DeliveryParameters>(m, "DeliveryParameters", R"doc(
+What a send's completion means on a connection. `acknowledged`: it completes once the peer's
+application was handed the message (else: once it left this process). `replay_window`: bytes
+of acknowledged sends not yet acknowledged beyond which a send is refused (NO_RESOURCES).)doc")
+      .def(py::init([](bool acknowledged, std::size_t replay_window) {
+             return DeliveryParameters{acknowledged, replay_window};
+           }),
+           py::arg("acknowledged") = false,
+           py::arg("replay_window") = DeliveryParameters{}.replay_window)
+      .def_readwrite("acknowledged", &DeliveryParameters::acknowledged)
+      .def_readwrite("replay_window", &DeliveryParameters::replay_window);
   py::class_<PyConnectionParameters>(m, "ConnectionParameters",
                                      "What a connection (or a listener's connections) can do.")
-      .def(py::init([](RecvParameters recv, SendBufferedParameters buffered, py::object zero_copy) {
-             return PyConnectionParameters{recv, buffered, std::move(zero_copy)};
+      .def(py::init([](RecvParameters recv, SendBufferedParameters buffered, py::object zero_copy,
+                       DeliveryParameters delivery) {
+             return PyConnectionParameters{recv, buffered, std::move(zero_copy), delivery};
            }),
            py::arg("recv_params") = RecvParameters{},
            py::arg("send_buffered_params") = SendBufferedParameters{},
-           py::arg("send_zero_copy_params") = py::none())
+           py::arg("send_zero_copy_params") = py::none(),
+           py::arg("delivery") = DeliveryParameters{})
       .def_readwrite("recv_params", &PyConnectionParameters::recv_params)
       .def_readwrite("send_buffered_params", &PyConnectionParameters::send_buffered_params)
-      .def_readwrite("send_zero_copy_params", &PyConnectionParameters::send_zero_copy_params);
+      .def_readwrite("send_zero_copy_params", &PyConnectionParameters::send_zero_copy_params)
+      .def_readwrite("delivery", &PyConnectionParameters::delivery);
 
   py::class_<SharedReceiveBuffers>(m, "SharedReceiveBuffers",
                                    "One receive pool for every connection of the backend.")

@@ -211,6 +211,35 @@ def test_zero_copy_from_bytes_bytearray_memoryview_and_numpy(loop, backend):
     server.close()
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_acknowledged_sends_complete_once_the_peer_was_handed_them(loop, backend):
+    params = netio3.ConnectionParameters(
+        recv_params=netio3.RecvParameters(4096, 4),
+        delivery=netio3.DeliveryParameters(acknowledged=True, replay_window=1 << 20))
+    assert params.delivery.acknowledged and params.delivery.replay_window == 1 << 20
+    region = np.zeros(1 << 12, dtype=np.uint8)
+    if backend != "asyncmsg":
+        params.send_zero_copy_params = netio3.SendZeroCopyParameters(region)
+    seen_at_completion = []
+    server, client, rs, rc, listening = pair(loop, backend, params)
+    rc_completed = rc.completed
+
+    class Watch(list):
+        def append(self, item):  # the server's count when each completion is recorded
+            seen_at_completion.append(len(rs.data))
+            super().append(item)
+
+    rc.completed = Watch(rc_completed)
+    for key in range(5):
+        assert client.send_data(listening, region[key * 10:key * 10 + 10], b"h", key) == \
+            netio3.NetioStatus.OK
+    assert drive(loop, lambda: len(rc.completed) == 5)
+    assert [key for _, key in rc.completed] == list(range(5))
+    assert all(seen >= i + 1 for i, seen in enumerate(seen_at_completion)), seen_at_completion
+    client.close()
+    server.close()
+
+
 def test_a_bytearray_cannot_be_resized_while_its_send_is_in_flight(loop):
     server, client, rs, rc, listening = pair(loop, "asyncmsg", netio3.ConnectionParameters())
     payload = bytearray(b"x" * 1000)

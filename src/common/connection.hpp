@@ -13,6 +13,7 @@
 #include <sys/uio.h>
 
 #include <fmt/format.h>
+#include <netio3/event_loop.hpp>
 #include <netio3/exceptions.hpp>
 #include <netio3/network_backend.hpp>
 #include <netio3/types.hpp>
@@ -117,6 +118,11 @@ struct ConnectionBase : std::enable_shared_from_this<ConnectionBase> {
     std::uint64_t acked{0};
   };
   mutable Acks acks;
+  // close_active_endpoint on an acknowledged connection with sends outstanding: it stays open
+  // until they are acknowledged or delivery.drain_timeout passes (ConnectionEngine::drain).
+  // Set under the registry's lock by any thread; the timer is the loop thread's.
+  std::atomic<bool> draining{false};
+  EventTimerHandle drain_timer;
 
   // Guards what follows (and the backend's own per-connection state).
   mutable OptionalMutex mutex;

@@ -147,11 +147,31 @@ class ConnectionEngine {
   void close_active_endpoint(const EndPointAddress& address) {
     const ApiCall call{*this, "close_active_endpoint"};
     std::shared_ptr<Conn> conn;
+    bool drain_first = false;
     {
       const auto held = m_registry.lock();
-      conn = m_registry.take_for_close(held, address);
+      // An open acknowledged connection drains first (once: a second close is at once).
+      conn = m_registry.find(held, address);
+      if (conn && conn->params.delivery.acknowledged && !conn->close_requested.load()) {
+        bool open = false;
+        {
+          const std::lock_guard lock{conn->mutex};
+          open = conn->phase == Phase::OPEN;
+        }
+        drain_first = open && !conn->draining.exchange(true);
+      }
+      if (!drain_first) conn = m_registry.take_for_close(held, address);
     }
-    close_requested(conn, "closed locally");
+    if (!drain_first) {
+      close_requested(conn, "closed locally");
+    } else if (m_loop->in_loop_thread()) {
+      drain(conn);
+    } else {
+      std::weak_ptr<Derived> weak = derived().weak_from_this();
+      m_loop->post([weak, conn] {
+        if (auto self = weak.lock(); self && !self->shut_down()) self->drain(conn);
+      });
+    }
   }
 
   void close_listen_endpoint(const EndPointAddress& address) {
@@ -184,9 +204,14 @@ class ConnectionEngine {
     const auto conn = m_registry.get(address, "send_buffer");
     BufferPool* pool = claim_send_buffer(*conn, buffer, m_name);
     if (pool == nullptr) return counted(conn, NetioStatus::FAILED);
-    const NetioStatus status = window_full(*conn, buffer->size())
-                                   ? NetioStatus::NO_RESOURCES
-                                   : derived().post_buffer(conn, buffer);
+    NetioStatus status = NetioStatus::FAILED;
+    if (conn->draining.load(std::memory_order_relaxed)) [[unlikely]] {
+      status = draining_failure(*conn);
+    } else if (window_full(*conn, buffer->size())) {
+      status = NetioStatus::NO_RESOURCES;
+    } else {
+      status = derived().post_buffer(conn, buffer);
+    }
     if (status != NetioStatus::OK) pool->abort_send(buffer);
     return counted(conn, status);
   }
@@ -206,6 +231,9 @@ class ConnectionEngine {
       }
     }
     const std::uint64_t bytes = total_size(header, iov);
+    if (conn->draining.load(std::memory_order_relaxed)) [[unlikely]] {
+      return counted(conn, draining_failure(*conn));
+    }
     if (window_full(*conn, bytes)) return counted(conn, NetioStatus::NO_RESOURCES);
     return counted(conn, derived().post_data(conn, header, iov, Payload::REFERENCE,
                                              PendingSend{key, nullptr, bytes}));
@@ -221,6 +249,9 @@ class ConnectionEngine {
     }
     if (!header_ok(address, header, m_name)) return counted(conn, NetioStatus::FAILED);
     const std::uint64_t bytes = total_size(header, iov);
+    if (conn->draining.load(std::memory_order_relaxed)) [[unlikely]] {
+      return counted(conn, draining_failure(*conn));
+    }
     if (window_full(*conn, bytes)) return counted(conn, NetioStatus::NO_RESOURCES);
     return counted(conn, derived().post_data(conn, header, iov, Payload::COPY,
                                              PendingSend{key, nullptr, bytes}));
@@ -425,9 +456,12 @@ class ConnectionEngine {
       conn->established_at = std::chrono::steady_clock::now();
     }
     if (conn->peer_sends_heartbeats || conn->peer_takes_heartbeats) m_liveness->watch(conn);
+    // Sends refused while it was being set up: it takes them now. Read before the callback:
+    // a refusal after it (another thread sending on the open connection) is a new episode
+    // that its own resource ends.
+    const bool refused_in_setup = conn->send_waits.load() != 0;
     m_notifier.established(conn->remote, caps);
-    // Sends refused while it was being set up: it takes them now.
-    if (conn->send_waits.load(std::memory_order_relaxed) != 0 && still_open(*conn)) {
+    if (refused_in_setup && still_open(*conn)) {
       return ready_again(*conn);
     }
     return still_open(*conn);
@@ -442,6 +476,11 @@ class ConnectionEngine {
 
   // on_data_cb; false when the connection (or the backend) stopped in the callback.
   bool deliver(const Conn& conn, std::span<const std::uint8_t> bytes) {
+    // Closed by the application, draining: what the peer sends is no longer handed over (nor
+    // acknowledged: an acknowledged peer's close lists it).
+    if (conn.draining.load(std::memory_order_relaxed)) [[unlikely]] {
+      return still_open(conn);
+    }
     // One writer (the loop thread): a load and a store, no locked instruction.
     auto& c = conn.counters;
     c.messages_received.store(c.messages_received.load(std::memory_order_relaxed) + 1,
@@ -490,6 +529,9 @@ class ConnectionEngine {
       conn.send_pool.load(std::memory_order_relaxed)->release(send.buffer);
     m_notifier.send_completed(conn.remote, send.key);
     if (shut_down()) return false;
+    if (conn.draining.load(std::memory_order_relaxed)) [[unlikely]] {
+      post_drain_check(conn);
+    }
     if (!m_wants_ready) return true;
     // Read after the release and the ledger's completion (send_refused()'s other half).
     if (send.buffer != nullptr && m_buffer_waiters_exist.load(std::memory_order_relaxed)) {
@@ -538,6 +580,7 @@ class ConnectionEngine {
       if (previous >= Phase::CLOSING) return;
       conn->phase = Phase::CLOSING;
     }
+    if (conn->draining.exchange(false)) conn->drain_timer.close();
     conn->ending_info = typename Conn::Ending{.cause = cause,
                                               .reason = std::string{reason},
                                               .was_open = previous == Phase::OPEN,
@@ -704,6 +747,73 @@ class ConnectionEngine {
       conn->counters.failed.fetch_add(1, std::memory_order_relaxed);
     }
     return status;
+  }
+
+  // ---- the drain of close_active_endpoint on an acknowledged connection ----------------
+
+  NetioStatus draining_failure(const Conn& conn) const {
+    return send_failed(SendFailureCause::CLOSING,
+                       fmt::format("{}: send to {}: the connection is closing (draining)", m_name,
+                                   conn.remote),
+                       false);
+  }
+
+  [[nodiscard]] static bool drained(const Conn& conn) {
+    const std::lock_guard lock{conn.mutex};
+    return conn.ledger.outstanding() == 0;
+  }
+
+  // Loop thread: closes `conn` once what it sent is acknowledged, or at the drain timeout.
+  void drain(const std::shared_ptr<Conn>& conn) {
+    assert_loop_thread();
+    if (!conn->draining.load() || conn->ending()) return;
+    if (drained(*conn)) {
+      end_drain(conn, "closed locally");
+      return;
+    }
+    std::weak_ptr<Derived> weak = derived().weak_from_this();
+    std::weak_ptr<Conn> weak_conn = conn;
+    conn->drain_timer = m_loop->create_timer([weak, weak_conn] {
+      auto self = weak.lock();
+      auto c = weak_conn.lock();
+      if (!self || !c || self->shut_down()) return;
+      std::size_t left = 0;
+      {
+        const std::lock_guard lock{c->mutex};
+        left = c->ledger.outstanding();
+      }
+      self->end_drain(c, fmt::format("closed locally; {} send(s) not acknowledged within "
+                                     "delivery.drain_timeout ({} ms)",
+                                     left, c->params.delivery.drain_timeout.count()));
+    });
+    conn->drain_timer.start_once(std::max(conn->params.delivery.drain_timeout,
+                                          std::chrono::milliseconds{1}));
+  }
+
+  // A completion on a draining connection: once the batch it came in was reported, see whether
+  // that was the last.
+  void post_drain_check(const Conn& conn) {
+    std::weak_ptr<Derived> weak = derived().weak_from_this();
+    auto c = std::const_pointer_cast<Conn>(
+        std::static_pointer_cast<const Conn>(conn.shared_from_this()));
+    m_loop->post([weak, c] {
+      auto self = weak.lock();
+      if (self && !self->shut_down() && c->draining.load() && !c->ending() && drained(*c)) {
+        self->end_drain(c, "closed locally");
+      }
+    });
+  }
+
+  void end_drain(const std::shared_ptr<Conn>& conn, std::string_view reason) {
+    if (!conn->draining.exchange(false) || conn->ending()) return;
+    conn->drain_timer.close();
+    {
+      const auto held = m_registry.lock();
+      if (m_registry.find(held, conn->remote) == conn) {
+        (void)m_registry.take_for_close(held, conn->remote);
+      }
+    }
+    close(conn, reason, CloseCause::LOCAL);
   }
 
   // An acknowledged connection holds what it sent until the peer acknowledges it: a send

@@ -40,6 +40,7 @@
 #include <netio3/types.hpp>
 
 #include "common/admission.hpp"
+#include "common/connection.hpp"
 #include "common/log.hpp"
 #include "common/wire.hpp"
 
@@ -54,6 +55,7 @@ struct SetupFrames {
   std::uint8_t proof{};
   std::uint8_t refusal{};
   std::uint16_t admission_minor{};
+  std::uint16_t ack_minor{};  // the first minor version that acknowledges deliveries
 };
 
 template <typename Derived, typename Conn>
@@ -78,7 +80,8 @@ class StreamAdmission {
     return admission_step(conn, conn->admission->on_frame(kind, body));
   }
 
-  // What this side sends first: its greeting (`greeting`, its flags joined by admission's: a keyed side
+  // What this side sends first: its greeting (`greeting`, its flags joined by admission's and
+  // ACKNOWLEDGE when its sends are to be acknowledged: a keyed side
   // announces it, a server with a key or an accept hook tells the client to wait for its
   // verdict) and, with a key, its CHALLENGE. Starts the connection's admission exchange.
   std::vector<std::uint8_t> admission_opening(Conn& conn, Greeting greeting) {
@@ -90,6 +93,7 @@ class StreamAdmission {
     }
     const auto challenge = conn.admission->start();
     greeting.flags |= conn.admission->greeting_flags();
+    if (conn.params.delivery.acknowledged) greeting.flags |= GREETING_ACKNOWLEDGE;
     const auto encoded = encode_greeting(greeting);
     std::vector<std::uint8_t> out{encoded.begin(), encoded.end()};
     if (!challenge.empty()) {
@@ -99,8 +103,16 @@ class StreamAdmission {
     return out;
   }
 
-  // The peer's greeting, once its limits were taken.
+  // The peer's greeting, once its limits were taken: whether it asks for acknowledgements and
+  // can give them (a connection whose sends are acknowledged is not set up with a peer that
+  // cannot), then admission.
   bool admission_greeting(const std::shared_ptr<Conn>& conn, const Greeting& greeting) {
+    const bool peer_acknowledges = greeting.minor >= Derived::SETUP_FRAMES.ack_minor;
+    conn->acks.peer_wants_acks =
+        peer_acknowledges && (greeting.flags & GREETING_ACKNOWLEDGE) != 0;
+    if (conn->params.delivery.acknowledged && !peer_acknowledges) {
+      return self().setup_protocol_error(conn, PEER_CANNOT_ACKNOWLEDGE);
+    }
     return admission_step(conn, conn->admission->on_greeting(greeting.minor, greeting.flags));
   }
 

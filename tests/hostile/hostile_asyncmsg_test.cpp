@@ -319,6 +319,38 @@ TEST_F(HostileAsyncmsg, AcknowledgementsGoToPeersThatAskAndForgedOnesCloseTheCon
   finish();
 }
 
+// A client whose sends are to be acknowledged does not set up a connection with a server
+// whose protocol (1.4) cannot acknowledge: refused, with the reason.
+TEST(HostileAsyncmsgServer, AnAcknowledgedClientRefusesAServerTooOldToAcknowledge) {
+  netio3::test::RawListener raw;
+  Recorder rec;
+  netio3::test::LoopThread loop;
+  auto client = netio3::Netio3Backend::create(
+      netio3::BackendType::ASYNCMSG,
+      rec.config(netio3::ThreadSafetyModel::SAFE, netio3::NetworkMode::TCP,
+                 Recorder::Callbacks::WITH_SENDER_AND_REASON),
+      loop.loop());
+  netio3::ConnectionParameters params{};
+  params.delivery.acknowledged = true;
+  client->open_active_endpoint(raw.address(), params);
+  pollfd p{raw.fd(), POLLIN, 0};
+  ASSERT_EQ(::poll(&p, 1, 5000), 1) << "the client did not connect";
+  const int fd = ::accept(raw.fd(), nullptr, nullptr);
+  ASSERT_GE(fd, 0);
+  const Bytes old = greeting(1, 4);
+  EXPECT_EQ(::send(fd, old.data(), old.size(), MSG_NOSIGNAL), static_cast<ssize_t>(old.size()));
+  ASSERT_TRUE(rec.wait([](const Recorder& r) { return r.count(Recorder::Kind::REFUSED) >= 1; }));
+  for (const auto& e : rec.snapshot()) {
+    if (e.kind == Recorder::Kind::REFUSED) {
+      EXPECT_EQ(e.refusal.cause, netio3::RefusalCause::SETUP_FAILED);
+      EXPECT_THAT(e.refusal.message, ::testing::HasSubstr("cannot acknowledge"));
+    }
+  }
+  EXPECT_EQ(rec.count_now(Recorder::Kind::ESTABLISHED), 0U);
+  client.reset();
+  ::close(fd);
+}
+
 TEST_F(HostileAsyncmsg, ResetAtEveryStage) {
   ASSERT_NO_FATAL_FAILURE(start());
   enum Stage {

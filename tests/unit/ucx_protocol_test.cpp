@@ -77,11 +77,24 @@ TEST(UcxProtocol, MalformedHeadersAreRejectedWithTheReason) {
   auto reserved = good;
   reserved[5] = 1;
   EXPECT_NE(rejected(reserved).find("reserved"), std::string::npos);
-  for (const std::uint8_t type : {0, 1, 2, 6, 255}) {
+  for (const std::uint8_t type : {0, 1, 2, 7, 255}) {
     auto unknown = good;
     unknown[0] = type;
     EXPECT_NE(rejected(unknown).find("unknown message type"), std::string::npos) << int{type};
   }
+  // 3.4: an ACK carries its count in an 8-byte prefix, and nothing else.
+  auto ack = good;
+  ack[0] = static_cast<std::uint8_t>(MessageType::ACK);
+  EXPECT_NE(rejected(ack).find("an ACK message with a prefix of 0 bytes"), std::string::npos);
+  std::vector<std::uint8_t> with_count(ack.begin(), ack.end());
+  with_count[2] = 8;
+  with_count.insert(with_count.end(), 8, 0);
+  with_count[AM_HEADER_SIZE] = 42;
+  std::string error;
+  const auto decoded = decode_header(with_count, error);
+  ASSERT_TRUE(decoded.has_value()) << error;
+  EXPECT_EQ(decoded->type, MessageType::ACK);
+  EXPECT_EQ(decoded->prefix_len, 8);
 }
 
 // The opening of the control channel: netio3's greeting with the control protocol's major

@@ -570,6 +570,7 @@ void Run::send_control(Conn& c, const Header& h, std::span<const std::uint8_t> b
 ConnectionParameters Run::params_for(Conn& c) {
   ConnectionParameters params{};
   params.recv_params = {.buf_size = std::max(m_options.size, CONTROL_SIZE), .num_buf = 16};
+  params.delivery.acknowledged = m_options.acknowledged;
   switch (m_options.send) {
     case SendKind::BUFFERED:
       params.send_buffered_params = {.buf_size = std::max(m_options.size, CONTROL_SIZE),

@@ -40,6 +40,9 @@ struct ClientOptions {
   // Zero-copy: every DATA message from one buffer, written once, up to `window` of them in
   // flight - the working set of iperf3 and ucx_perftest (docs/benchmarks.md). Verify::SIZE.
   bool same_buffer{false};
+  // DeliveryParameters::acknowledged on the client's connections: a send completes once the
+  // server's application was handed it (docs/semantics.md).
+  bool acknowledged{false};
   // NetworkConfig::partition_key (admission, docs/admission.md); empty: none.
   std::string partition_key;
 };

@@ -175,7 +175,8 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
       .challenge = detail::FRAME_CHALLENGE,
       .proof = detail::FRAME_PROOF,
       .refusal = detail::FRAME_REFUSAL,
-      .admission_minor = detail::ASYNCMSG_ADMISSION_MINOR};
+      .admission_minor = detail::ASYNCMSG_ADMISSION_MINOR,
+      .ack_minor = detail::ASYNCMSG_ACK_MINOR};
 
   Backend(NetworkConfig config, std::shared_ptr<BaseEventLoop> loop)
       : Engine{NAME, std::move(config), std::move(loop), ThreadSafetyModel::SAFE},

@@ -152,10 +152,7 @@ void Backend::send_greeting(const std::shared_ptr<Connection>& conn) {
   write_setup(conn,
               admission_opening(
                   *conn, Greeting{.minor = VERSION_MINOR,
-                                  .max_message_size = static_cast<std::uint32_t>(m_max_message),
-                                  .flags = conn->params.delivery.acknowledged
-                                               ? detail::GREETING_ACKNOWLEDGE
-                                               : 0U}));
+                                  .max_message_size = static_cast<std::uint32_t>(m_max_message)}));
 }
 
 void Backend::write_setup(const std::shared_ptr<Connection>& conn,
@@ -199,13 +196,6 @@ bool Backend::on_greeting(const std::shared_ptr<Connection>& conn, const Greetin
   conn->peer_sends_heartbeats = greeting.minor >= detail::ASYNCMSG_HEARTBEAT_MINOR;
   conn->peer_takes_heartbeats = conn->peer_sends_heartbeats;
   conn->peer_says_goodbye = greeting.minor >= detail::ASYNCMSG_GOODBYE_MINOR;
-  // 1.5 and later acknowledge deliveries when asked (the greeting's flag).
-  const bool peer_acknowledges = greeting.minor >= detail::ASYNCMSG_ACK_MINOR;
-  conn->acks.peer_wants_acks =
-      peer_acknowledges && (greeting.flags & detail::GREETING_ACKNOWLEDGE) != 0;
-  if (conn->params.delivery.acknowledged && !peer_acknowledges) {
-    return setup_protocol_error(conn, detail::PEER_CANNOT_ACKNOWLEDGE);
-  }
   return admission_greeting(conn, greeting);
 }
 

@@ -102,9 +102,7 @@ std::vector<std::uint8_t> Backend::hello_frame(Connection& conn) const {
 }
 
 std::vector<std::uint8_t> Backend::opening(Connection& conn) {
-  auto out = admission_opening(
-      conn, control_greeting(m_config.limits.max_message_size,
-                             conn.params.delivery.acknowledged ? detail::GREETING_ACKNOWLEDGE : 0U));
+  auto out = admission_opening(conn, control_greeting(m_config.limits.max_message_size));
   // Without admission (or for a client without a key) the HELLO goes at once; otherwise it
   // follows this side's PROOF (a keyed client) or the server's verdict.
   if (conn.admission->hello_with_greeting()) {
@@ -284,13 +282,6 @@ bool Backend::on_control_greeting(const std::shared_ptr<Connection>& conn,
   // channel, detail::configure_stream).
   conn->peer_sends_heartbeats = greeting.minor >= HEARTBEAT_MINOR;
   conn->peer_takes_heartbeats = conn->peer_sends_heartbeats;
-  // 3.4 and later acknowledge deliveries when asked (the greeting's flag).
-  const bool peer_acknowledges = greeting.minor >= ACK_MINOR;
-  conn->acks.peer_wants_acks =
-      peer_acknowledges && (greeting.flags & detail::GREETING_ACKNOWLEDGE) != 0;
-  if (conn->params.delivery.acknowledged && !peer_acknowledges) {
-    return setup_protocol_error(conn, detail::PEER_CANNOT_ACKNOWLEDGE);
-  }
   return admission_greeting(conn, greeting);
 }
 

@@ -266,7 +266,8 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
                                                     .challenge = FRAME_CHALLENGE,
                                                     .proof = FRAME_PROOF,
                                                     .refusal = FRAME_REFUSAL,
-                                                    .admission_minor = ADMISSION_MINOR};
+                                                    .admission_minor = ADMISSION_MINOR,
+                                                    .ack_minor = ACK_MINOR};
 
   Backend(const NetworkConfig& config, std::shared_ptr<BaseEventLoop> loop)
       : Engine{NAME, config, std::move(loop), config.thread_safety},
