@@ -8,7 +8,7 @@
 //
 // Run: example_readout --port PORT [--backend asyncmsg] [--mode tcp] [--ip 127.0.0.1]
 //                      [--fragments 10000] [--seconds 0] [--size 4096]
-//                      [--send zero-copy|buffered] [--slots 64]
+//                      [--send zero-copy|buffered] [--slots 64] [--acknowledged 0|1]
 // --seconds N sends for N seconds instead of --fragments. Prints, when the connection closed,
 // "sent S, completed C, cancelled X" and the rate. Exit status 0 if the connection was made
 // and every send completed (none cancelled), 1 otherwise.
@@ -50,7 +50,8 @@ int main(int argc, char** argv) {
                                                 {"seconds", "0"},
                                                 {"size", "4096"},
                                                 {"send", "zero-copy"},
-                                                {"slots", "64"}});
+                                                {"slots", "64"},
+                                                {"acknowledged", "0"}});
   if (!options) return 2;
   const auto type = options->backend();
   const auto mode = parse_network_mode(options->str("mode"));
@@ -59,8 +60,11 @@ int main(int argc, char** argv) {
   const auto seconds = options->number<unsigned>("seconds");
   const auto size = options->number<std::size_t>("size");
   const auto slots = options->number<std::size_t>("slots");
+  const auto acknowledged = options->number<unsigned>("acknowledged");
   const std::string& send = options->str("send");
-  if (!type || !mode || !port || !fragments || !seconds || !size || !slots) return 2;
+  if (!type || !mode || !port || !fragments || !seconds || !size || !slots || !acknowledged) {
+    return 2;
+  }
   if (*port == 0 || *slots == 0 || *size < sizeof(std::uint64_t) ||
       (*fragments == 0 && *seconds == 0) || (send != "zero-copy" && send != "buffered")) {
     std::fprintf(stderr,
@@ -189,6 +193,8 @@ int main(int argc, char** argv) {
              }},
         loop);
     ConnectionParameters params{};
+    // --acknowledged 1: a completion means the builder was handed the fragment.
+    params.delivery.acknowledged = *acknowledged != 0;
     if (zero_copy) {
       params.send_zero_copy_params = {.buf_size = region.size(), .mr_start = region.data()};
     } else {
