@@ -9,6 +9,10 @@
 // Run: example_readout --port PORT [--backend asyncmsg] [--mode tcp] [--ip 127.0.0.1]
 //                      [--fragments 10000] [--seconds 0] [--size 4096]
 //                      [--send zero-copy|buffered] [--slots 64] [--acknowledged 0|1]
+//                      [--close-after-send 0|1]
+// --acknowledged 1: the builder acknowledges what it was handed (a completion means it has
+// the fragment); --close-after-send 1 with it: close right after the last send, not after
+// its completion - the close drains, and the completions still come.
 // --seconds N sends for N seconds instead of --fragments. Prints, when the connection closed,
 // "sent S, completed C, cancelled X" and the rate. Exit status 0 if the connection was made
 // and every send completed (none cancelled), 1 otherwise.
@@ -51,7 +55,8 @@ int main(int argc, char** argv) {
                                                 {"size", "4096"},
                                                 {"send", "zero-copy"},
                                                 {"slots", "64"},
-                                                {"acknowledged", "0"}});
+                                                {"acknowledged", "0"},
+                                                {"close-after-send", "0"}});
   if (!options) return 2;
   const auto type = options->backend();
   const auto mode = parse_network_mode(options->str("mode"));
@@ -61,8 +66,10 @@ int main(int argc, char** argv) {
   const auto size = options->number<std::size_t>("size");
   const auto slots = options->number<std::size_t>("slots");
   const auto acknowledged = options->number<unsigned>("acknowledged");
+  const auto close_after_send = options->number<unsigned>("close-after-send");
   const std::string& send = options->str("send");
-  if (!type || !mode || !port || !fragments || !seconds || !size || !slots || !acknowledged) {
+  if (!type || !mode || !port || !fragments || !seconds || !size || !slots || !acknowledged ||
+      !close_after_send) {
     return 2;
   }
   if (*port == 0 || *slots == 0 || *size < sizeof(std::uint64_t) ||
@@ -101,7 +108,7 @@ int main(int argc, char** argv) {
       if (!std::exchange(closing, true)) backend->close_active_endpoint(builder);
     };
     const auto close_if_done = [&] {
-      if (stopping && completed == next) close();
+      if (stopping && (completed == next || *close_after_send != 0)) close();
     };
     // One fragment zero-copy from its slot; NO_RESOURCES also while the slot is busy (its
     // completion calls send_more again).

@@ -34,17 +34,20 @@ struct FanInCase {
   std::size_t size;
   std::uint64_t fragments;  // per readout: far more than the builder's buffers hold
   bool acknowledged{false};  // the readouts' sends are acknowledged (DeliveryParameters)
+  bool close_after_send{false};  // a readout closes right after its last send (drains)
 };
 
 void PrintTo(const FanInCase& c, std::ostream* os) {
-  *os << fmt::format("{} x {} fragments of {} bytes{}", c.backend, c.fragments, c.size,
-                     c.acknowledged ? ", acknowledged" : "");
+  *os << fmt::format("{} x {} fragments of {} bytes{}{}", c.backend, c.fragments, c.size,
+                     c.acknowledged ? ", acknowledged" : "",
+                     c.close_after_send ? ", closed after the last send" : "");
 }
 
 std::string name_of(const ::testing::TestParamInfo<FanInCase>& info) {
-  return fmt::format("{}_{}{}", info.param.backend,
+  return fmt::format("{}_{}{}{}", info.param.backend,
                      info.param.size >= 1024 * 1024 ? "1MiB" : fmt::format("{}B", info.param.size),
-                     info.param.acknowledged ? "_acknowledged" : "");
+                     info.param.acknowledged ? "_acknowledged" : "",
+                     info.param.close_after_send ? "_closed_after_send" : "");
 }
 
 std::vector<FanInCase> cases() {
@@ -55,6 +58,8 @@ std::vector<FanInCase> cases() {
     all.push_back({name, 1024 * 1024, 64});
     all.push_back({name, 4096, 4000, true});
     all.push_back({name, 1024 * 1024, 64, true});
+    all.push_back({name, 4096, 4000, true, true});
+    all.push_back({name, 1024 * 1024, 64, true, true});
   }
   return all;
 }
@@ -101,7 +106,8 @@ TEST_P(FanIn, ReadoutsThatCloseAfterTheirLastCompletionLoseNothing) {
       readouts.push_back(std::make_unique<Child>(
           std::vector<std::string>{EXAMPLE_READOUT, "--backend", c.backend, "--port", *port,
                                    "--size", size, "--fragments", fragments, "--acknowledged",
-                                   c.acknowledged ? "1" : "0"}));
+                                   c.acknowledged ? "1" : "0", "--close-after-send",
+                                   c.close_after_send ? "1" : "0"}));
     }
     const auto deadline = Clock::now() + 120s;
     for (auto& r : readouts) {
