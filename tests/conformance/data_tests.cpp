@@ -1,4 +1,5 @@
-// Data path conformance: backend x send mode x thread-safety model x message size.
+// Data path conformance: backend x send mode x thread-safety model x message size, and the
+// extreme sizes once more with the client's sends acknowledged (DeliveryParameters).
 
 #include <algorithm>
 #include <set>
@@ -14,6 +15,7 @@ struct DataParam {
   SendMode mode;
   ThreadSafetyModel model;
   std::size_t size;
+  bool acknowledged{false};
 };
 
 std::string size_name(std::size_t size) {
@@ -24,8 +26,9 @@ std::string size_name(std::size_t size) {
 
 std::string param_name(const testing::TestParamInfo<DataParam>& info) {
   const auto& p = info.param;
-  return fmt::format("{}_{}_{}_{}", netio3::to_string(p.backend), to_string(p.mode),
-                     netio3::to_string(p.model), size_name(p.size));
+  return fmt::format("{}_{}_{}_{}{}", netio3::to_string(p.backend), to_string(p.mode),
+                     netio3::to_string(p.model), size_name(p.size),
+                     p.acknowledged ? "_acknowledged" : "");
 }
 
 std::vector<DataParam> all_params() {
@@ -36,6 +39,9 @@ std::vector<DataParam> all_params() {
         for (const std::size_t size :
              {std::size_t{0}, std::size_t{1}, std::size_t{64}, BUF_SIZE, LARGE}) {
           out.push_back({backend, mode, model, size});
+        }
+        for (const std::size_t size : {std::size_t{0}, LARGE}) {
+          out.push_back({backend, mode, model, size, true});
         }
       }
     }
@@ -64,8 +70,9 @@ class Data : public testing::TestWithParam<DataParam> {
     });
     ASSERT_NE(listen.port, 0);
     client->call([&] {
-      client->backend->open_active_endpoint(
-          listen, sender_params(t, p.mode, region, BUF_SIZE, std::max(p.size, BUF_SIZE)));
+      auto params = sender_params(t, p.mode, region, BUF_SIZE, std::max(p.size, BUF_SIZE));
+      params.delivery.acknowledged = p.acknowledged;
+      client->backend->open_active_endpoint(listen, params);
     });
     auto remote = wait_connected(*client, *server, listen);
     ASSERT_TRUE(remote.has_value()) << "connection was not established on both sides";
