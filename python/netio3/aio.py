@@ -299,14 +299,17 @@ class _Backend:
                                      use_shared_receive_buffers=True)
         else:
             recv = _n.RecvParameters(buf_size=size, num_buf=o.num_buffers)
+        delivery = _n.DeliveryParameters(acknowledged=o.acknowledged)
         if region is not None:
             return _n.ConnectionParameters(
-                recv_params=recv, send_zero_copy_params=_n.SendZeroCopyParameters(region))
+                recv_params=recv, send_zero_copy_params=_n.SendZeroCopyParameters(region),
+                delivery=delivery)
         buffered = _n.SendBufferedParameters()
         if self.send_mode == "buffered":
             buffered = _n.SendBufferedParameters(
                 buf_size=o.max_message_size + _n.MAX_HEADER_SIZE, num_buf=o.num_buffers)
-        return _n.ConnectionParameters(recv_params=recv, send_buffered_params=buffered)
+        return _n.ConnectionParameters(recv_params=recv, send_buffered_params=buffered,
+                                       delivery=delivery)
 
     def next_key(self) -> int:
         return next(self._keys)
@@ -378,8 +381,9 @@ class _Backend:
 
 class _Options:
     def __init__(self, backend, mode, max_message_size, num_buffers, limits,
-                 partition_key="", identity="", accept=None):
+                 partition_key="", identity="", accept=None, acknowledged=False):
         self.backend = _backend_type(backend)
+        self.acknowledged = acknowledged
         self.partition_key = partition_key
         self.identity = identity
         self.accept = accept
@@ -708,6 +712,11 @@ class Context:
     (remote, listener, identity, key_proven); it returns True, False, AcceptDecision.accept()
     or AcceptDecision.refuse("why"), and an exception refuses with its text. A refused
     connect raises ConnectionRefused with cause NOT_ADMITTED and the server's reason.
+
+    acknowledged=True (docs/semantics.md, "Acknowledged sends"): this side's sends are
+    acknowledged by the peer, so an awaited ``send`` returns once the peer's application
+    was handed the message, not once it left this process; closing a connection first waits
+    (up to 10 s) for what was sent before to be acknowledged.
     """
 
     def __init__(self, backend: Union[str, _n.BackendType] = "asyncmsg",
@@ -716,9 +725,10 @@ class Context:
                  limits: Optional[_n.NetworkLimits] = None, partition_key: str = "",
                  identity: str = "",
                  accept: Optional[Callable[[_n.PeerInfo],
-                                           Union[bool, _n.AcceptDecision]]] = None):
+                                           Union[bool, _n.AcceptDecision]]] = None,
+                 acknowledged: bool = False):
         self._options = _Options(backend, mode, max_message_size, num_buffers, limits,
-                                 partition_key, identity, accept)
+                                 partition_key, identity, accept, acknowledged)
         self._driver: Optional[_Driver] = None
         self._client: Optional[_Backend] = None
         self._client_started: Optional[asyncio.Future] = None

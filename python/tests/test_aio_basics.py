@@ -48,6 +48,21 @@ async def test_async_iteration_over_connections_and_messages(backend):
         assert {m for m in (c.remote for c in accepted)} == {c.remote for c in accepted}
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_acknowledged_sends_return_once_the_peer_has_the_message(backend):
+    async with netio3.Context(backend) as server:
+        listener = await server.listen(("127.0.0.1", 0))
+        async with netio3.Context(backend, acknowledged=True) as context:
+            client = await context.connect(listener.address)
+            conn = await listener.accept()
+            for j in range(10):
+                await client.send(f"m{j}".encode())  # returns on the peer's acknowledgement
+            # Closed right after the last send: the close waits for nothing more, and
+            # everything arrived.
+            await client.close()
+            assert [m async for m in conn] == [f"m{j}".encode() for j in range(10)]
+
+
 @contextlib.asynccontextmanager
 async def a_stopped_receiver(backend):
     """A connection to a receiver in another process (peer.py) that is then stopped
