@@ -668,6 +668,71 @@ std::string model_name(const testing::TestParamInfo<ThreadSafetyModel>& param) {
   return std::string{netio3::to_string(param.param)};
 }
 
+// Delivery acknowledgement, the receiving side: one acknowledgement per round of the loop with
+// the latest count, and the last count sent by the application's close before the transport
+// closes.
+TEST_P(Engine, AcknowledgementsGoOncePerRoundAndBeforeALocalClose) {
+  api([&] { backend->open_listen_endpoint({"0.0.0.0", 7000}, params()); });
+  std::shared_ptr<FakeConnection> c;
+  on_loop([&] {
+    c = fake->accept({"0.0.0.0", 7000}, peer);
+    c->acks.peer_wants_acks = true;  // the peer's set-up asked
+    fake->establish(c);
+  });
+  const std::array<std::uint8_t, 3> bytes{1, 2, 3};
+  on_loop([&] {
+    for (int i = 0; i < 5; ++i) fake->receive(c, bytes);
+  });
+  settle();
+  on_loop([&] { EXPECT_EQ(c->acks_sent, std::vector<std::uint64_t>{5}); });
+  on_loop([&] {
+    fake->receive(c, bytes);
+    fake->receive(c, bytes);
+    backend->close_active_endpoint(peer);  // not acknowledged: closes at once
+    EXPECT_EQ(c->acks_sent, (std::vector<std::uint64_t>{5, 7})) << "the last count, before the close";
+  });
+  settle();
+  on_loop([&] { EXPECT_EQ(c->acks_sent, (std::vector<std::uint64_t>{5, 7})) << "sent once"; });
+}
+
+// The sending side: a send ends when the transport completed it and the peer acknowledged it;
+// a count past what was sent closes the connection as a protocol error with every key not
+// acknowledged listed.
+TEST_P(Engine, AcknowledgedSendsEndOnTheCountAndACountPastThemIsAProtocolError) {
+  auto acked = params();
+  acked.delivery.acknowledged = true;
+  api([&] { backend->open_active_endpoint(peer, acked); });
+  auto c = conn(peer);
+  on_loop([&] {
+    fake->connected(c);
+    fake->establish(c);
+  });
+  std::vector<std::uint64_t> keys;
+  api([&] {
+    for (std::uint64_t k = 1; k <= 3; ++k) {
+      ASSERT_EQ(send(peer, k), NetioStatus::OK);
+      keys.push_back(k);
+    }
+  });
+  on_loop([&] {
+    while (fake->complete_one(c)) {
+    }
+  });
+  settle();
+  EXPECT_EQ(rec.count_now(Kind::COMPLETED), 0U) << "completed before the acknowledgement";
+  on_loop([&] { EXPECT_TRUE(fake->peer_acknowledges(c, 1)); });
+  settle();
+  EXPECT_EQ(rec.count_now(Kind::COMPLETED), 1U);
+  on_loop([&] { EXPECT_FALSE(fake->peer_acknowledges(c, 4)) << "4 acknowledged, 3 sent"; });
+  ASSERT_TRUE(rec.wait([](const Recorder& r) { return r.count(Kind::CLOSED) == 1; }));
+  for (const auto& e : rec.snapshot()) {
+    if (e.kind == Kind::CLOSED) {
+      EXPECT_EQ(e.keys, (std::vector<std::uint64_t>{2, 3}));
+    }
+  }
+  expect_keys_end_once(peer, keys);
+}
+
 INSTANTIATE_TEST_SUITE_P(Unit, Engine,
                          testing::Values(ThreadSafetyModel::SAFE, ThreadSafetyModel::UNSAFE),
                          model_name);

@@ -241,6 +241,12 @@ class FakeTransport : public detail::ConnectionEngine<FakeTransport, FakeConnect
     return deliver(*conn, bytes);
   }
 
+  // The peer acknowledges `count` of this side's messages; false when the caller must not go
+  // on.
+  bool peer_acknowledges(const std::shared_ptr<FakeConnection>& conn, std::uint64_t count) {
+    return acknowledgement(conn, count);
+  }
+
   // The next send is refused (NO_RESOURCES) whatever is in flight.
   void refuse_next() { m_refuse_next = true; }
 
