@@ -110,12 +110,13 @@ struct ConnectionBase : std::enable_shared_from_this<ConnectionBase> {
   // peer's are when its set-up asked (`peer_wants_acks`, set before established()). Then
   // `delivered` counts the messages handed to on_data_cb, `acked` what the last
   // acknowledgement sent said, and `ack_due` that the engine will send one (the end of the
-  // loop's round). Loop thread only.
+  // loop's round, or at once past ACK_AT_ONCE_BYTES). Loop thread only.
   struct Acks {
     bool peer_wants_acks{false};
     bool ack_due{false};
     std::uint64_t delivered{0};
     std::uint64_t acked{0};
+    std::uint64_t bytes_unacked{0};  // handed over since the last acknowledgement
   };
   mutable Acks acks;
   // close_active_endpoint on an acknowledged connection with sends outstanding: it stays open

@@ -489,7 +489,7 @@ class ConnectionEngine {
                            std::memory_order_relaxed);
     m_notifier.data(conn.remote, bytes);
     if (conn.acks.peer_wants_acks) [[unlikely]] {
-      delivered_one(conn);
+      delivered_one(conn, bytes.size());
     }
     return still_open(conn);
   }
@@ -835,8 +835,15 @@ class ConnectionEngine {
   // A message was handed to on_data_cb on a connection whose peer wants acknowledgements:
   // counted, and an acknowledgement is due at the end of this round of the loop (one per
   // connection per round, carrying the latest count). Loop thread.
-  void delivered_one(const Conn& conn) {
+  void delivered_one(const Conn& conn, std::size_t size) {
     ++conn.acks.delivered;
+    conn.acks.bytes_unacked += size;
+    if (conn.acks.bytes_unacked >= ACK_AT_ONCE_BYTES && still_open(conn)) {
+      // Large messages: the sender's buffers wait for this; no need to wait for the round.
+      (void)send_ack(std::const_pointer_cast<Conn>(
+          std::static_pointer_cast<const Conn>(conn.shared_from_this())));
+      if (conn.acks.acked == conn.acks.delivered) return;
+    }
     if (conn.acks.ack_due) return;
     conn.acks.ack_due = true;
     if (!m_ack_hook) {
@@ -872,8 +879,13 @@ class ConnectionEngine {
     if (count == conn->acks.acked) return true;
     if (!derived().send_ack(conn, count)) return false;
     conn->acks.acked = std::max(conn->acks.acked, count);
+    conn->acks.bytes_unacked = 0;
     return true;
   }
+
+  // Handed over since the last acknowledgement, beyond which one goes at once rather than at
+  // the end of the loop's round (a sender of large messages waits on it for its buffers).
+  static constexpr std::uint64_t ACK_AT_ONCE_BYTES = std::uint64_t{256} << 10U;
 
   // A send was refused for `cause` (any thread): the episode waits on it. The refusal and
   // what ends the episode can race (the last completion may come just before the flag is

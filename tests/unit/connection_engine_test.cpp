@@ -695,6 +695,29 @@ TEST_P(Engine, AcknowledgementsGoOncePerRoundAndBeforeALocalClose) {
   on_loop([&] { EXPECT_EQ(c->acks_sent, (std::vector<std::uint64_t>{5, 7})) << "sent once"; });
 }
 
+// Large messages are acknowledged at once (the sender's buffers wait for it), not at the end
+// of the round.
+TEST_P(Engine, LargeDeliveriesAreAcknowledgedAtOnce) {
+  api([&] { backend->open_listen_endpoint({"0.0.0.0", 7000}, params()); });
+  std::shared_ptr<FakeConnection> c;
+  on_loop([&] {
+    c = fake->accept({"0.0.0.0", 7000}, peer);
+    c->acks.peer_wants_acks = true;
+    fake->establish(c);
+  });
+  const std::vector<std::uint8_t> large(std::size_t{256} << 10U);
+  const std::array<std::uint8_t, 3> small{1, 2, 3};
+  on_loop([&] {
+    fake->receive(c, small);
+    EXPECT_TRUE(c->acks_sent.empty()) << "a small message waits for the end of the round";
+    fake->receive(c, large);
+    EXPECT_EQ(c->acks_sent, std::vector<std::uint64_t>{2}) << "256 KiB: at once";
+    fake->receive(c, small);
+  });
+  settle();
+  on_loop([&] { EXPECT_EQ(c->acks_sent, (std::vector<std::uint64_t>{2, 3})); });
+}
+
 // The sending side: a send ends when the transport completed it and the peer acknowledged it;
 // a count past what was sent closes the connection as a protocol error with every key not
 // acknowledged listed.
