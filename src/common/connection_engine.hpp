@@ -488,6 +488,8 @@ class ConnectionEngine {
     c.bytes_received.store(c.bytes_received.load(std::memory_order_relaxed) + bytes.size(),
                            std::memory_order_relaxed);
     m_notifier.data(conn.remote, bytes);
+    // Destroyed in the callback: `conn` may be gone with the backend.
+    if (shut_down()) return false;
     if (conn.acks.peer_wants_acks) [[unlikely]] {
       delivered_one(conn, bytes.size());
     }
