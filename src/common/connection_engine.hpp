@@ -510,13 +510,10 @@ class ConnectionEngine {
       counts = conn->ledger.counts();
     }
     if (!valid) {
-      const auto reason =
-          fmt::format("protocol error: the peer acknowledged {} messages of {} sent{}", count,
-                      counts.accepted,
-                      conn->params.delivery.acknowledged ? "" : " (none were to be acknowledged)");
-      NETIO3_WARN("{}: closing connection with {}: {}", m_name, conn->remote, reason);
-      close(conn, reason, CloseCause::PROTOCOL);
-      return false;
+      return protocol_violation(
+          conn,
+          fmt::format("the peer acknowledged {} messages of {} sent{}", count, counts.accepted,
+                      conn->params.delivery.acknowledged ? "" : " (none were to be acknowledged)"));
     }
     for (const auto& send : done) {
       if (!completed(*conn, send)) return false;
@@ -599,6 +596,15 @@ class ConnectionEngine {
     }
     derived().close_transport(conn);
     finish(conn);
+  }
+
+  // The peer of an open connection sent what its protocol does not allow: logged, and closed
+  // with "protocol error: <what>". Returns false (the caller stops). Loop thread.
+  bool protocol_violation(const std::shared_ptr<Conn>& conn, std::string_view what) {
+    const auto reason = fmt::format("protocol error: {}", what);
+    NETIO3_WARN("{}: closing connection with {}: {}", m_name, conn->remote, reason);
+    close(conn, reason, CloseCause::PROTOCOL);
+    return false;
   }
 
   // close() for an error that, during the set-up of an active connection, is reported to the
@@ -751,13 +757,19 @@ class ConnectionEngine {
     return status;
   }
 
+  // The owner of a connection the engine was handed by reference (to keep or pass on).
+  static std::shared_ptr<Conn> owner(const Conn& conn) {
+    return std::const_pointer_cast<Conn>(
+        std::static_pointer_cast<const Conn>(conn.shared_from_this()));
+  }
+
   // ---- the drain of close_active_endpoint on an acknowledged connection ----------------
 
   NetioStatus draining_failure(const Conn& conn) const {
-    return send_failed(SendFailureCause::CLOSING,
-                       fmt::format("{}: send to {}: the connection is closing (draining)", m_name,
-                                   conn.remote),
-                       false);
+    return send_failed(
+        SendFailureCause::CLOSING,
+        fmt::format("{}: send to {}: the connection is closing (draining)", m_name, conn.remote),
+        false);
   }
 
   [[nodiscard]] static bool drained(const Conn& conn) {
@@ -788,17 +800,15 @@ class ConnectionEngine {
                                      "delivery.drain_timeout ({} ms)",
                                      left, c->params.delivery.drain_timeout.count()));
     });
-    conn->drain_timer.start_once(std::max(conn->params.delivery.drain_timeout,
-                                          std::chrono::milliseconds{1}));
+    conn->drain_timer.start_once(
+        std::max(conn->params.delivery.drain_timeout, std::chrono::milliseconds{1}));
   }
 
   // A completion on a draining connection: once the batch it came in was reported, see whether
   // that was the last.
   void post_drain_check(const Conn& conn) {
     std::weak_ptr<Derived> weak = derived().weak_from_this();
-    auto c = std::const_pointer_cast<Conn>(
-        std::static_pointer_cast<const Conn>(conn.shared_from_this()));
-    m_loop->post([weak, c] {
+    m_loop->post([weak, c = owner(conn)] {
       auto self = weak.lock();
       if (self && !self->shut_down() && c->draining.load() && !c->ending() && drained(*c)) {
         self->end_drain(c, "closed locally");
@@ -842,8 +852,7 @@ class ConnectionEngine {
     conn.acks.bytes_unacked += size;
     if (conn.acks.bytes_unacked >= ACK_AT_ONCE_BYTES && still_open(conn)) {
       // Large messages: the sender's buffers wait for this; no need to wait for the round.
-      (void)send_ack(std::const_pointer_cast<Conn>(
-          std::static_pointer_cast<const Conn>(conn.shared_from_this())));
+      (void)send_ack(owner(conn));
       if (conn.acks.acked == conn.acks.delivered) return;
     }
     if (conn.acks.ack_due) return;
@@ -855,8 +864,7 @@ class ConnectionEngine {
         return true;
       });
     }
-    m_acks_due.push_back(
-        std::const_pointer_cast<Conn>(std::static_pointer_cast<const Conn>(conn.shared_from_this())));
+    m_acks_due.push_back(owner(conn));
   }
 
   // The prepare hook: the acknowledgements due this round.

@@ -74,6 +74,24 @@ void Node::destroy_backend() {
   backend.reset();
 }
 
+std::vector<ModeParam> mode_params() {
+  std::vector<ModeParam> out;
+  for (const auto backend : backends()) {
+    for (const auto mode : {SendMode::BUFFERED, SendMode::ZERO_COPY, SendMode::COPY}) {
+      for (const auto model : {ThreadSafetyModel::SAFE, ThreadSafetyModel::UNSAFE}) {
+        out.push_back({backend, mode, model});
+      }
+    }
+  }
+  return out;
+}
+
+std::string mode_param_name(const testing::TestParamInfo<ModeParam>& info) {
+  const auto& p = info.param;
+  return fmt::format("{}_{}_{}", netio3::to_string(p.backend), to_string(p.mode),
+                     netio3::to_string(p.model));
+}
+
 ConnectionParameters sender_params(const BackendTraits& traits, SendMode mode,
                                    std::span<std::uint8_t> region, std::size_t buf_size,
                                    std::size_t recv_size) {

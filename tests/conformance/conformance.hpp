@@ -39,6 +39,15 @@ struct BackendTraits {
 // Every backend compiled in.
 [[nodiscard]] std::vector<BackendType> backends();
 
+// The parameters of the suites that run every backend x send mode x thread-safety model.
+struct ModeParam {
+  BackendType backend;
+  SendMode mode;
+  ThreadSafetyModel model;
+};
+[[nodiscard]] std::vector<ModeParam> mode_params();
+[[nodiscard]] std::string mode_param_name(const testing::TestParamInfo<ModeParam>& info);
+
 inline constexpr std::size_t BUF_SIZE = 4096;
 inline constexpr std::size_t NUM_BUF = 16;
 inline constexpr std::size_t LARGE = std::size_t{256} << 10U;

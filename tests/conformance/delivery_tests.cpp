@@ -14,34 +14,10 @@
 namespace netio3::conformance {
 namespace {
 
-struct DeliveryParam {
-  BackendType backend;
-  SendMode mode;
-  ThreadSafetyModel model;
-};
-
-std::string param_name(const testing::TestParamInfo<DeliveryParam>& info) {
-  const auto& p = info.param;
-  return fmt::format("{}_{}_{}", netio3::to_string(p.backend), to_string(p.mode),
-                     netio3::to_string(p.model));
-}
-
-std::vector<DeliveryParam> all_params() {
-  std::vector<DeliveryParam> out;
-  for (const auto backend : backends()) {
-    for (const auto mode : {SendMode::BUFFERED, SendMode::ZERO_COPY, SendMode::COPY}) {
-      for (const auto model : {ThreadSafetyModel::SAFE, ThreadSafetyModel::UNSAFE}) {
-        out.push_back({backend, mode, model});
-      }
-    }
-  }
-  return out;
-}
-
 constexpr std::size_t SIZE = 64;
 constexpr std::size_t COUNT = 8;
 
-class Delivery : public testing::TestWithParam<DeliveryParam> {
+class Delivery : public testing::TestWithParam<ModeParam> {
  protected:
   void SetUp() override {
     const auto& p = GetParam();
@@ -184,9 +160,9 @@ TEST_P(Delivery, TheReplayWindowRefusesPastItAndTheReadyCallbackFollowsTheAcknow
   block_server();
   const auto keys = send(0, HELD);
   std::uint64_t key = 0;
-  EXPECT_EQ(try_send(*client, listen, GetParam().mode, test::pattern(HELD, SIZE), region, HELD,
-                     &key),
-            NetioStatus::NO_RESOURCES)
+  EXPECT_EQ(
+      try_send(*client, listen, GetParam().mode, test::pattern(HELD, SIZE), region, HELD, &key),
+      NetioStatus::NO_RESOURCES)
       << "a send past the replay window was accepted";
   EXPECT_EQ(client->rec.count_now(Kind::COMPLETED), 0U);
   release_server();
@@ -209,9 +185,9 @@ TEST_P(Delivery, ACloseWaitsForWhatWasSentBeforeIt) {
   const auto keys = send(0, COUNT);
   client->call([&] { client->backend->close_active_endpoint(listen); });
   std::uint64_t key = 0;
-  EXPECT_EQ(try_send(*client, listen, GetParam().mode, test::pattern(COUNT, SIZE), region, COUNT,
-                     &key),
-            NetioStatus::FAILED)
+  EXPECT_EQ(
+      try_send(*client, listen, GetParam().mode, test::pattern(COUNT, SIZE), region, COUNT, &key),
+      NetioStatus::FAILED)
       << "a send on a draining connection";
   // The calling thread's failure (UNSAFE: the loop thread, where the send ran).
   EXPECT_EQ(client->call([] { return netio3::last_send_failure().cause; }),
@@ -274,8 +250,9 @@ TEST_P(Delivery, BothDirectionsAcknowledged) {
   server->call([&] { server->backend->close_listen_endpoint(listen); });
   auto rx = receiver_params(BUF_SIZE);
   rx.delivery.acknowledged = true;
-  listen = server->call(
-      [&] { return server->backend->open_listen_endpoint({test::test_address(), 0}, rx); });
+  listen = server->call([&] {
+    return server->backend->open_listen_endpoint({test::test_address(), 0}, rx);
+  });
   auto params = sender_params(traits(p.backend), p.mode, region, BUF_SIZE);
   params.delivery.acknowledged = true;
   client->call([&] { client->backend->open_active_endpoint(listen, params); });
@@ -293,12 +270,13 @@ TEST_P(Delivery, BothDirectionsAcknowledged) {
   ASSERT_TRUE(client->rec.wait([](const Recorder& r) {
     return r.count(Kind::DATA) >= COUNT && r.count(Kind::COMPLETED) >= COUNT;
   }));
-  ASSERT_TRUE(server->rec.wait([](const Recorder& r) { return r.count(Kind::COMPLETED) >= COUNT; }));
+  ASSERT_TRUE(
+      server->rec.wait([](const Recorder& r) { return r.count(Kind::COMPLETED) >= COUNT; }));
   EXPECT_EQ(completed_keys(), keys);
 }
 
 }  // namespace
 
-INSTANTIATE_TEST_SUITE_P(Conformance, Delivery, testing::ValuesIn(all_params()), param_name);
+INSTANTIATE_TEST_SUITE_P(Conformance, Delivery, testing::ValuesIn(mode_params()), mode_param_name);
 
 }  // namespace netio3::conformance

@@ -22,30 +22,6 @@
 namespace netio3::conformance {
 namespace {
 
-struct LifecycleParam {
-  BackendType backend;
-  SendMode mode;
-  ThreadSafetyModel model;
-};
-
-std::string param_name(const testing::TestParamInfo<LifecycleParam>& info) {
-  const auto& p = info.param;
-  return fmt::format("{}_{}_{}", netio3::to_string(p.backend), to_string(p.mode),
-                     netio3::to_string(p.model));
-}
-
-std::vector<LifecycleParam> all_params() {
-  std::vector<LifecycleParam> out;
-  for (const auto backend : backends()) {
-    for (const auto mode : {SendMode::BUFFERED, SendMode::ZERO_COPY, SendMode::COPY}) {
-      for (const auto model : {ThreadSafetyModel::SAFE, ThreadSafetyModel::UNSAFE}) {
-        out.push_back({backend, mode, model});
-      }
-    }
-  }
-  return out;
-}
-
 // Checks the key ledger of one connection: every key of an accepted send appears exactly
 // once among completions and cancelled keys, and no completion follows the close.
 void expect_ledger_balanced(const std::vector<Recorder::Event>& events,
@@ -70,7 +46,7 @@ void expect_ledger_balanced(const std::vector<Recorder::Event>& events,
       << "every accepted send must end exactly once (completed or cancelled)";
 }
 
-class Lifecycle : public testing::TestWithParam<LifecycleParam> {
+class Lifecycle : public testing::TestWithParam<ModeParam> {
  protected:
   void SetUp() override {
     const auto& p = GetParam();
@@ -738,7 +714,7 @@ TEST_P(Lifecycle, NoCallbackRunsInsideAnApiCallOnTheLoopThread) {
   EXPECT_TRUE(nested.empty()) << fmt::format("{}", fmt::join(nested, "\n"));
 }
 
-INSTANTIATE_TEST_SUITE_P(Conformance, Lifecycle, testing::ValuesIn(all_params()), param_name);
+INSTANTIATE_TEST_SUITE_P(Conformance, Lifecycle, testing::ValuesIn(mode_params()), mode_param_name);
 
 }  // namespace
 }  // namespace netio3::conformance

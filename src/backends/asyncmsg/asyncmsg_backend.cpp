@@ -254,30 +254,23 @@ bool Backend::on_message(const std::shared_ptr<Connection>& conn,
   }
   if (conn->setting_up() && !conn->ending() && !shut_down() &&
       !conn->close_requested.load(std::memory_order_relaxed)) [[unlikely]] {
-    return setup_protocol_error(conn,
-                                fmt::format("a {} frame before the connection was admitted",
-                                            type == detail::FRAME_DATA  ? "DATA"
-                                            : type == detail::FRAME_ACK ? "ACK"
-                                                                        : "HEARTBEAT"));
+    return setup_protocol_error(conn, fmt::format("a {} frame before the connection was admitted",
+                                                  type == detail::FRAME_DATA  ? "DATA"
+                                                  : type == detail::FRAME_ACK ? "ACK"
+                                                                              : "HEARTBEAT"));
   }
   if (!still_open(*conn)) return false;
   if (type == detail::FRAME_ACK) [[unlikely]] {
     if (message.size() == detail::ACK_BODY_SIZE) {
       return acknowledgement(conn, detail::load_le64(message.data()));
     }
-    const auto reason =
-        fmt::format("protocol error: an ACK frame with {} bytes of body", message.size());
-    NETIO3_WARN("asyncmsg: closing connection with {}: {}", conn->remote, reason);
-    close(conn, reason, CloseCause::PROTOCOL);
-    return false;
+    return protocol_violation(conn,
+                              fmt::format("an ACK frame with {} bytes of body", message.size()));
   }
   if (type == detail::FRAME_HEARTBEAT) [[unlikely]] {
     if (message.empty()) return true;
-    const auto reason =
-        fmt::format("protocol error: a heartbeat frame with {} bytes of body", message.size());
-    NETIO3_WARN("asyncmsg: closing connection with {}: {}", conn->remote, reason);
-    close(conn, reason, CloseCause::PROTOCOL);
-    return false;
+    return protocol_violation(
+        conn, fmt::format("a heartbeat frame with {} bytes of body", message.size()));
   }
   conn->large_messages = message.size() >= FrameDecoder::DIRECT_MIN;
   return deliver(*conn, message);
@@ -295,12 +288,7 @@ bool Backend::on_goodbye(const std::shared_ptr<Connection>& conn, std::uint8_t t
   } else if (!message.empty()) {
     problem = fmt::format("a GOODBYE frame with {} bytes of body", message.size());
   }
-  if (!problem.empty()) {
-    const auto reason = fmt::format("protocol error: {}", problem);
-    NETIO3_WARN("asyncmsg: closing connection with {}: {}", conn->remote, reason);
-    close(conn, reason, CloseCause::PROTOCOL);
-    return false;
-  }
+  if (!problem.empty()) return protocol_violation(conn, problem);
   // The peer's end of the stream follows (it closes after writing this).
   conn->goodbye_received = true;
   return true;
