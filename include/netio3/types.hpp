@@ -124,6 +124,24 @@ struct DeliveryParameters {
   /// from the peer are no longer delivered), then closes; the closed callback lists what was
   /// not acknowledged. A second close_active_endpoint closes at once.
   std::chrono::milliseconds drain_timeout{10000};
+  /// Sessions (docs/sessions.md): a connection that rides out a cut. Its sends are
+  /// acknowledged (whatever `acknowledged` says), and when its transport connection breaks -
+  /// an error, a reset, the peer silent for limits.peer_timeout, its end without a goodbye -
+  /// the connection is not closed: on_connection_interrupted_cb reports the cut, the side
+  /// that connected reconnects by itself (after first_delay, doubling up to max_delay, each
+  /// delay with jitter), both sides send again exactly what the other had not delivered, and
+  /// on_connection_resumed_cb reports the outage. Sends made meanwhile wait within the replay
+  /// window. The connection closes only when the session is not resumed within give_up (its
+  /// closed callback lists every send not acknowledged, cause PEER_LOST), when the peer no
+  /// longer knows it (a restarted process: "unknown session"), or when either side closes it.
+  /// Set by the side that connects; a listener's own setting is not needed (it follows its
+  /// clients). asyncmsg only, for now: UCX and libfabric refuse it (NotSupported).
+  struct Session {
+    bool enabled{false};                        ///< resume after a cut
+    std::chrono::milliseconds first_delay{50};  ///< the first reconnect's delay
+    std::chrono::milliseconds max_delay{2000};  ///< the longest delay between attempts
+    std::chrono::milliseconds give_up{60000};   ///< the longest outage before a close
+  } session{};
 };
 
 /// What a connection (open_active_endpoint) or the connections of a listen endpoint
@@ -223,6 +241,16 @@ enum class CloseCause {
 };
 /// "local", "peer_closed", "peer_lost", "timed_out", "protocol_error".
 [[nodiscard]] NETIO3_API std::string_view to_string(CloseCause cause) noexcept;
+
+/// A connection with a session (DeliveryParameters::Session) lost its transport connection
+/// and is being resumed: `reason` says why. Sends still go (and wait) within the replay
+/// window; no close follows unless the session cannot be resumed.
+using OnConnectionInterruptedCb =
+    std::function<void(const EndPointAddress& remote, const std::string& reason)>;
+/// The session of a connection that was interrupted is resumed: what was not delivered was
+/// sent again, nothing twice. `outage`: from the interruption to now.
+using OnConnectionResumedCb =
+    std::function<void(const EndPointAddress& remote, std::chrono::milliseconds outage)>;
 
 /// What on_connection_closed_reason_cb reports: a cause to act on and a text to log.
 struct CloseReason {
@@ -364,6 +392,10 @@ struct NetworkConfig {
   std::string identity{};
   /// Optional, instead of on_connection_closed_cb: the end of a connection with its reason.
   OnConnectionClosedReasonCb on_connection_closed_reason_cb{};
+  /// Sessions: a connection's transport connection broke and is being resumed.
+  OnConnectionInterruptedCb on_connection_interrupted_cb{};
+  /// Sessions: an interrupted connection is resumed.
+  OnConnectionResumedCb on_connection_resumed_cb{};
 };
 
 }  // namespace netio3

@@ -3,6 +3,7 @@
 // What every backend's connection carries besides its transport objects, and the parts
 // of the send API that do not depend on the transport.
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -76,7 +77,12 @@ struct ConnectionBase : std::enable_shared_from_this<ConnectionBase> {
         listener_id{listener_id_},
         mutex{thread_safe},
         phase{initial} {
-    if (params.delivery.acknowledged) ledger.expect_acknowledgements();
+    if (params.delivery.acknowledged || params.delivery.session.enabled) {
+      ledger.expect_acknowledgements();
+      acknowledged_sends.store(true);
+    }
+    session.enabled = params.delivery.session.enabled;
+    session.give_up = params.delivery.session.give_up;
   }
 
   [[nodiscard]] bool active() const noexcept { return listener_id == 0; }
@@ -124,6 +130,30 @@ struct ConnectionBase : std::enable_shared_from_this<ConnectionBase> {
   // Set under the registry's lock by any thread; the timer is the loop thread's.
   std::atomic<bool> draining{false};
   EventTimerHandle drain_timer;
+  // This side's sends are acknowledged (params.delivery asks, or a session: a server's
+  // connection becomes one at its client's SESSION frame, before it is established).
+  std::atomic<bool> acknowledged_sends{false};
+
+  // Sessions (DeliveryParameters::Session; docs/sessions.md). A session connection whose
+  // transport breaks is interrupted, not closed: `down` (written under `mutex`) until a new
+  // transport connection carries it again. The active side makes those (carriers: connections
+  // of the transport that the application never sees, `resumes` naming the session they would
+  // resume); the passive side waits. Loop thread only, but for `down`.
+  using SessionId = std::array<std::uint8_t, 16>;
+  struct Session {
+    bool enabled{false};
+    bool down{false};       // interrupted: no transport connection (under `mutex`)
+    bool giving_up{false};  // its next close is final (not an interruption)
+    SessionId id{};
+    std::chrono::milliseconds give_up{};
+    std::chrono::steady_clock::time_point down_since{};
+    int attempts{0};
+    std::string reason;  // why it was interrupted (and the last attempt's failure)
+    EventTimerHandle retry_timer;
+    EventTimerHandle give_up_timer;
+    std::shared_ptr<ConnectionBase> carrier;  // the attempt in progress (active side)
+    std::weak_ptr<ConnectionBase> resumes;    // a carrier: the connection it would resume
+  } session;
 
   // Guards what follows (and the backend's own per-connection state).
   mutable OptionalMutex mutex;

@@ -37,9 +37,11 @@
 #include <cassert>
 #include <concepts>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <random>
 #include <span>
 #include <string>
 #include <string_view>
@@ -152,7 +154,7 @@ class ConnectionEngine {
       const auto held = m_registry.lock();
       // An open acknowledged connection drains first (once: a second close is at once).
       conn = m_registry.find(held, address);
-      if (conn && conn->params.delivery.acknowledged && !conn->close_requested.load()) {
+      if (conn && conn->acknowledged_sends.load() && !conn->close_requested.load()) {
         bool open = false;
         {
           const std::lock_guard lock{conn->mutex};
@@ -360,6 +362,14 @@ class ConnectionEngine {
     ApiCall call{*this, api};
     check_address(address, api);
     check_connection_parameters(params, m_config, listen);
+    if constexpr (!requires { Derived::SESSIONS; }) {
+      if (params.delivery.session.enabled) {
+        throw NotSupported(
+            fmt::format("{}: {}: delivery.session: sessions are implemented on asyncmsg only (this "
+                        "backend's connections can be acknowledged and drained, not resumed)",
+                        m_name, api));
+      }
+    }
     return call;
   }
 
@@ -508,12 +518,15 @@ class ConnectionEngine {
       const std::lock_guard lock{conn->mutex};
       valid = conn->ledger.acknowledge(count, done);
       counts = conn->ledger.counts();
+      if constexpr (requires { derived().acknowledged(*conn, count); }) {
+        if (valid) derived().acknowledged(*conn, count);
+      }
     }
     if (!valid) {
       return protocol_violation(
           conn,
           fmt::format("the peer acknowledged {} messages of {} sent{}", count, counts.accepted,
-                      conn->params.delivery.acknowledged ? "" : " (none were to be acknowledged)"));
+                      conn->acknowledged_sends.load() ? "" : " (none were to be acknowledged)"));
     }
     for (const auto& send : done) {
       if (!completed(*conn, send)) return false;
@@ -566,6 +579,22 @@ class ConnectionEngine {
       Derived::abandon(*conn);
       return;
     }
+    if constexpr (requires { Derived::SESSIONS; }) {
+      if (conn->session.enabled) [[unlikely]] {
+        if (interrupts(*conn, cause)) {
+          interrupt(conn, reason);
+          return;
+        }
+        if (auto target = conn->session.resumes.lock()) {
+          // A carrier that failed: the application never hears of it; the session tries again.
+          conn->session.resumes.reset();
+          close(conn, reason, cause, false);
+          carrier_lost(std::static_pointer_cast<Conn>(target), conn, reason);
+          return;
+        }
+        end_session(conn);
+      }
+    }
     // What the application was handed before it closed is acknowledged before the goodbye.
     if (cause == CloseCause::LOCAL && conn->phase == Phase::OPEN &&
         conn->acks.delivered != conn->acks.acked) {
@@ -596,6 +625,160 @@ class ConnectionEngine {
     }
     derived().close_transport(conn);
     finish(conn);
+  }
+
+  // ---- sessions (DeliveryParameters::Session; docs/sessions.md) -------------------------
+  // The transport (Derived::SESSIONS) implements
+  //  - detach_transport(conn): the session connection is interrupted: drop its transport
+  //    connection (no goodbye, nothing lingers), keep everything sent for a resume;
+  //  - resume_transport(conn): active side, an attempt: start a carrier (a new transport
+  //    connection set up like any other, session.resumes naming `conn`) and return it, or
+  //    nullptr (logged) when it could not start.
+
+  // A new session's id (the active side's, at its first connect).
+  static ConnectionBase::SessionId new_session_id() {
+    ConnectionBase::SessionId id{};
+    std::random_device device;
+    for (std::size_t i = 0; i < id.size(); i += 4) {
+      const std::uint32_t word = device();
+      std::memcpy(id.data() + i, &word, 4);
+    }
+    return id;
+  }
+
+  // Whether a close for `cause` interrupts a session connection rather than ending it: the
+  // transport broke (an error, a silent peer, an end without goodbye) on an open connection
+  // that the application is not closing.
+  [[nodiscard]] static bool interrupts(const Conn& conn, CloseCause cause) noexcept {
+    return !conn.session.giving_up && conn.session.resumes.expired() && conn.phase == Phase::OPEN &&
+           (cause == CloseCause::ERROR || cause == CloseCause::SILENT) &&
+           !conn.close_requested.load() && !conn.draining.load();
+  }
+
+  void interrupt(const std::shared_ptr<Conn>& conn, std::string_view reason) {
+    auto& session = conn->session;
+    if (session.down) return;  // the old transport's late news
+    {
+      const std::lock_guard lock{conn->mutex};
+      session.down = true;
+    }
+    session.down_since = std::chrono::steady_clock::now();
+    session.reason = std::string{reason};
+    session.attempts = 0;
+    conn->acks.ack_due = false;
+    NETIO3_WARN("{}: connection with {} interrupted: {}; {} (for at most {} ms)", m_name,
+                conn->remote, reason,
+                conn->active() ? "reconnecting" : "waiting for the peer to resume it",
+                session.give_up.count());
+    derived().detach_transport(conn);
+    std::weak_ptr<Derived> weak = derived().weak_from_this();
+    std::weak_ptr<Conn> weak_conn = conn;
+    if (!session.give_up_timer) {
+      session.give_up_timer = m_loop->create_timer([weak, weak_conn] {
+        auto self = weak.lock();
+        auto c = weak_conn.lock();
+        if (self && c && !self->shut_down()) self->give_up(c);
+      });
+    }
+    session.give_up_timer.start_once(std::max(session.give_up, std::chrono::milliseconds{1}));
+    if (conn->active()) schedule_attempt(conn);
+    m_notifier.interrupted(conn->remote, session.reason);
+  }
+
+  // Active side: the next attempt after the back-off (first_delay, doubling to max_delay, each
+  // with jitter: a delay between half and all of it).
+  void schedule_attempt(const std::shared_ptr<Conn>& conn) {
+    auto& session = conn->session;
+    const auto& p = conn->params.delivery.session;
+    auto delay = p.first_delay;
+    for (int i = 0; i < session.attempts && delay < p.max_delay; ++i) delay *= 2;
+    delay = std::min(delay, p.max_delay);
+    thread_local std::minstd_rand jitter{std::random_device{}()};
+    delay = delay / 2 + std::chrono::milliseconds{std::uniform_int_distribution<std::int64_t>{
+                            0, delay.count() / 2}(jitter)};
+    ++session.attempts;
+    if (!session.retry_timer) {
+      std::weak_ptr<Derived> weak = derived().weak_from_this();
+      std::weak_ptr<Conn> weak_conn = conn;
+      session.retry_timer = m_loop->create_timer([weak, weak_conn] {
+        auto self = weak.lock();
+        auto c = weak_conn.lock();
+        if (!self || !c || self->shut_down() || c->ending() || !c->session.down) return;
+        c->session.carrier = self->resume_transport(c);
+        if (!c->session.carrier && !c->ending()) self->schedule_attempt(c);
+      });
+    }
+    NETIO3_DEBUG("{}: resuming the connection with {}: attempt {} in {} ms", m_name, conn->remote,
+                 session.attempts, delay.count());
+    session.retry_timer.start_once(std::max(delay, std::chrono::milliseconds{1}));
+  }
+
+  std::shared_ptr<ConnectionBase> resume_transport(const std::shared_ptr<Conn>& conn) {
+    return derived().resume_transport(conn);
+  }
+
+  // A carrier failed before it resumed `target`.
+  void carrier_lost(const std::shared_ptr<Conn>& target, const std::shared_ptr<Conn>& carrier,
+                    std::string_view reason) {
+    if (target->session.carrier == carrier) target->session.carrier.reset();
+    if (target->ending() || !target->session.down || shut_down()) return;
+    NETIO3_DEBUG("{}: resuming the connection with {}: attempt {} failed: {}", m_name,
+                 target->remote, target->session.attempts, reason);
+    target->session.reason = std::string{reason};
+    schedule_attempt(target);
+  }
+
+  // The session cannot be resumed: the connection ends for good (its closed callback lists
+  // what was not acknowledged).
+  void give_up(const std::shared_ptr<Conn>& conn, std::string_view why = {}) {
+    if (conn->ending()) return;
+    conn->session.giving_up = true;
+    const auto reason = why.empty()
+                            ? fmt::format(
+                                  "the session was not resumed within delivery.session.give_up "
+                                  "({} ms; interrupted: {})",
+                                  conn->session.give_up.count(), conn->session.reason)
+                            : std::string{why};
+    NETIO3_WARN("{}: closing connection with {}: {}", m_name, conn->remote, reason);
+    close(conn, reason, CloseCause::ERROR);
+  }
+
+  // The session's timers and any attempt in progress end with the connection.
+  void end_session(const std::shared_ptr<Conn>& conn) {
+    auto& session = conn->session;
+    session.retry_timer.close();
+    session.give_up_timer.close();
+    if (auto carrier = std::exchange(session.carrier, nullptr)) {
+      carrier->session.resumes.reset();
+      close(std::static_pointer_cast<Conn>(carrier), "the session ended", CloseCause::LOCAL, false);
+    }
+  }
+
+  // The transport carries the session again (the new transport connection is attached, what
+  // the peer had not delivered of this side's sends is being sent again); the peer had
+  // handed `peer_delivered` of them to its application. False when the caller must not go on.
+  bool resumed(const std::shared_ptr<Conn>& conn, std::uint64_t peer_delivered) {
+    auto& session = conn->session;
+    {
+      const std::lock_guard lock{conn->mutex};
+      session.down = false;
+    }
+    if (session.give_up_timer) session.give_up_timer.stop();
+    if (session.retry_timer) session.retry_timer.stop();
+    session.carrier.reset();
+    session.attempts = 0;
+    const auto outage = std::chrono::duration_cast<std::chrono::milliseconds>(
+        std::chrono::steady_clock::now() - session.down_since);
+    ++conn->arrivals;
+    if (conn->peer_sends_heartbeats || conn->peer_takes_heartbeats) m_liveness->watch_again(conn);
+    NETIO3_INFO(
+        "{}: connection with {} resumed after {} ms; the peer had delivered {} of its "
+        "messages",
+        m_name, conn->remote, outage.count(), peer_delivered);
+    if (!acknowledgement(conn, peer_delivered)) return false;
+    m_notifier.resumed(conn->remote, outage);
+    if (!still_open(*conn)) return false;
+    return ready_again(*conn);
   }
 
   // The peer of an open connection sent what its protocol does not allow: logged, and closed
@@ -833,7 +1016,7 @@ class ConnectionEngine {
   // completions end the episode). Any thread. Racing sends may each pass: the window is
   // exceeded by at most one message per sending thread.
   bool window_full(const Conn& conn, std::uint64_t bytes) const {
-    if (!conn.params.delivery.acknowledged) [[likely]] {
+    if (!conn.acknowledged_sends.load(std::memory_order_relaxed)) [[likely]] {
       return false;
     }
     std::uint64_t held = 0;

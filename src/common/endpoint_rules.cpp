@@ -105,6 +105,18 @@ void check_connection_parameters(const ConnectionParameters& params, const Netwo
   if (params.delivery.acknowledged && params.delivery.replay_window == 0) {
     fail("delivery.acknowledged with a replay_window of 0 bytes");
   }
+  const auto& session = params.delivery.session;
+  if (session.enabled) {
+    if (params.delivery.replay_window == 0)
+      fail("delivery.session with a replay_window of 0 bytes");
+    if (session.first_delay.count() <= 0 || session.max_delay < session.first_delay ||
+        session.give_up.count() <= 0) {
+      fail(fmt::format(
+          "delivery.session: first_delay {} ms, max_delay {} ms and give_up {} ms "
+          "must be positive, max_delay at least first_delay",
+          session.first_delay.count(), session.max_delay.count(), session.give_up.count()));
+    }
+  }
 }
 
 }  // namespace netio3::detail

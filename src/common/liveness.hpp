@@ -66,6 +66,12 @@ class Liveness {
     }
   }
 
+  // Watches a connection again (a resumed session): from now, as if it had just opened.
+  void watch_again(const std::shared_ptr<Conn>& conn) {
+    std::erase_if(m_entries, [&](const Entry& entry) { return entry.conn.lock() == conn; });
+    watch(conn);
+  }
+
   struct Sweep {
     std::vector<std::shared_ptr<Conn>> beat;    // open, the peer takes heartbeats: send one
     std::vector<std::shared_ptr<Conn>> silent;  // nothing arrived for peer_timeout: close

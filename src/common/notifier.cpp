@@ -32,7 +32,9 @@ Notifier::Notifier(std::string_view backend_name, const NetworkConfig& config)
       m_on_refused{config.on_connection_refused_cb},
       m_on_refused_reason{config.on_connection_refused_reason_cb},
       m_on_send_completed{config.on_send_completed_cb},
-      m_on_ready_to_send{config.on_ready_to_send_cb} {}
+      m_on_ready_to_send{config.on_ready_to_send_cb},
+      m_on_interrupted{config.on_connection_interrupted_cb},
+      m_on_resumed{config.on_connection_resumed_cb} {}
 
 void Notifier::data(const EndPointAddress& remote, std::span<const std::uint8_t> bytes) const {
   NETIO3_TRACE("{}: recv from {} size={}", m_name, remote, bytes.size());
@@ -81,6 +83,14 @@ void Notifier::send_completed(const EndPointAddress& remote, std::uint64_t key) 
 void Notifier::ready_to_send(const EndPointAddress& remote) const {
   NETIO3_TRACE("{}: connection with {} can take sends again", m_name, remote);
   guarded(stopped(), m_name, "on_ready_to_send_cb", m_on_ready_to_send, remote);
+}
+
+void Notifier::interrupted(const EndPointAddress& remote, const std::string& reason) const {
+  guarded(stopped(), m_name, "on_connection_interrupted_cb", m_on_interrupted, remote, reason);
+}
+
+void Notifier::resumed(const EndPointAddress& remote, std::chrono::milliseconds outage) const {
+  guarded(stopped(), m_name, "on_connection_resumed_cb", m_on_resumed, remote, outage);
 }
 
 }  // namespace netio3::detail

@@ -5,8 +5,10 @@
 // the transport's state (half-parsed streams, key accounting) stays consistent.
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <span>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -25,6 +27,8 @@ class Notifier {
   void refused(const EndPointAddress& remote, RefusalCause cause, std::string_view reason) const;
   void send_completed(const EndPointAddress& remote, std::uint64_t key) const;
   void ready_to_send(const EndPointAddress& remote) const;
+  void interrupted(const EndPointAddress& remote, const std::string& reason) const;
+  void resumed(const EndPointAddress& remote, std::chrono::milliseconds outage) const;
   // Whether the application asked for on_ready_to_send_cb (else refusals are not tracked).
   [[nodiscard]] bool wants_ready_to_send() const noexcept { return bool{m_on_ready_to_send}; }
 
@@ -47,6 +51,8 @@ class Notifier {
   OnConnectionRefusedReasonCb m_on_refused_reason;
   OnSendCompleted m_on_send_completed;
   OnReadyToSendCb m_on_ready_to_send;
+  OnConnectionInterruptedCb m_on_interrupted;
+  OnConnectionResumedCb m_on_resumed;
   mutable std::atomic<bool> m_stopped{false};
 };
 

@@ -54,6 +54,11 @@ void FrameDecoder::reset() noexcept {
   m_greeting_rejected = false;
 }
 
+void FrameDecoder::reset_to_frames() noexcept {
+  reset();
+  m_stage = Stage::HEADER;
+}
+
 bool FrameDecoder::parse_greeting(const std::uint8_t* p, Greeting& out) {
   if (!std::equal(MAGIC.begin(), MAGIC.end(), p)) {
     m_error = fmt::format(

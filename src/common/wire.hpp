@@ -77,6 +77,18 @@ inline constexpr std::uint8_t FRAME_GOODBYE = 6;
 // had GREETING_ACKNOWLEDGE, never otherwise.
 inline constexpr std::uint8_t FRAME_ACK = 7;
 inline constexpr std::size_t ACK_BODY_SIZE = 8;
+// 1.6, sessions (DeliveryParameters::Session; docs/sessions.md): a client whose greeting has
+// GREETING_SESSION sends a SESSION frame once admitted (a new session, or the resume of one),
+// the server answers with one, and only then is the connection established (a new session)
+// or carried on (a resume: the client's third SESSION frame, GO, says the server may send
+// again). Body: the session id (16 bytes), the count of the peer's messages the sender
+// handed to its application (8), the client's give_up in milliseconds (8), flags (1).
+inline constexpr std::uint32_t GREETING_SESSION = 1U << 4U;
+inline constexpr std::uint8_t FRAME_SESSION = 8;
+inline constexpr std::size_t SESSION_BODY_SIZE = 33;
+inline constexpr std::uint8_t SESSION_RESUME = 1;   // client: resume it; server: resumed
+inline constexpr std::uint8_t SESSION_UNKNOWN = 2;  // server: no such session (any more)
+inline constexpr std::uint8_t SESSION_GO = 4;       // client, after a resume: send again
 // Lengths travel as 32-bit numbers.
 inline constexpr std::size_t WIRE_MAX_MESSAGE_SIZE = 0xFFFF'FFFFU;
 
@@ -91,15 +103,17 @@ struct FrameProtocol {
 // 1.2 or later (an older peer rejects the frame type); 1.3: admission (the greeting flags
 // KEYED and VERDICT, the frames CHALLENGE, PROOF and REFUSAL); 1.4: the GOODBYE frame, sent
 // only to a peer whose greeting says 1.4 or later; 1.5: delivery acknowledgement (the
-// greeting flag ACKNOWLEDGE, the ACK frame).
+// greeting flag ACKNOWLEDGE, the ACK frame); 1.6: sessions (the greeting flag SESSION, the
+// SESSION frame).
 inline constexpr FrameProtocol ASYNCMSG_PROTOCOL{
-    "asyncmsg", ASYNCMSG_MAJOR, 5,
+    "asyncmsg", ASYNCMSG_MAJOR, 6,
     (1U << FRAME_DATA) | (1U << FRAME_HEARTBEAT) | (1U << FRAME_CHALLENGE) | (1U << FRAME_PROOF) |
-        (1U << FRAME_REFUSAL) | (1U << FRAME_GOODBYE) | (1U << FRAME_ACK)};
+        (1U << FRAME_REFUSAL) | (1U << FRAME_GOODBYE) | (1U << FRAME_ACK) | (1U << FRAME_SESSION)};
 inline constexpr std::uint16_t ASYNCMSG_HEARTBEAT_MINOR = 2;
 inline constexpr std::uint16_t ASYNCMSG_ADMISSION_MINOR = 3;
 inline constexpr std::uint16_t ASYNCMSG_GOODBYE_MINOR = 4;
 inline constexpr std::uint16_t ASYNCMSG_ACK_MINOR = 5;
+inline constexpr std::uint16_t ASYNCMSG_SESSION_MINOR = 6;
 
 // The default major is asyncmsg's, whose greeting this layout was first.
 struct Greeting {
@@ -191,6 +205,9 @@ class FrameDecoder {
   [[nodiscard]] bool paused() const noexcept { return m_stage == Stage::WAIT; }
   // Back to the start of a stream (the connection was made again): a greeting comes next.
   void reset() noexcept;
+  // The start of a stream whose greeting another decoder read (a resumed session's new
+  // connection): a frame header comes next.
+  void reset_to_frames() noexcept;
   // A message body is being assembled (the memory admitted for it is in use).
   [[nodiscard]] bool in_body() const noexcept { return m_stage == Stage::BODY; }
   // Bytes of that body still to come (0 outside a body).

@@ -116,6 +116,8 @@ std::string bad_frame_reason(std::uint8_t type) {
       return "a GOODBYE frame with 16 bytes of body";
     case 7:
       return "an ACK frame with 16 bytes of body";
+    case 8:
+      return "a SESSION frame with 16 bytes of body";
     default:
       return fmt::format("unknown frame type {}", type);
   }
@@ -123,7 +125,7 @@ std::string bad_frame_reason(std::uint8_t type) {
 
 TEST_F(HostileAsyncmsg, UnknownFrameType) {
   ASSERT_NO_FATAL_FAILURE(start());
-  for (const std::uint8_t type : {0, 2, 3, 4, 5, 6, 7, 8, 0x80, 0xFF}) {
+  for (const std::uint8_t type : {0, 2, 3, 4, 5, 6, 7, 8, 9, 0x80, 0xFF}) {
     const std::uint32_t stream = new_stream();
     RawPeer peer{m_listen};
     Bytes all = greeting();
@@ -430,8 +432,8 @@ TEST_F(HostileAsyncmsg, ByteByByteIsLegal) {
   RawPeer peer{m_listen};
   const auto server_greeting = peer.read_exact(GREETING_SIZE);
   ASSERT_TRUE(server_greeting.has_value());
-  EXPECT_EQ(*server_greeting, greeting(1, 5, static_cast<std::uint32_t>(DEFAULT_MAX)))
-      << "the server announces protocol 1.5 and its limit in its greeting, and no admission "
+  EXPECT_EQ(*server_greeting, greeting(1, 6, static_cast<std::uint32_t>(DEFAULT_MAX)))
+      << "the server announces protocol 1.6 and its limit in its greeting, and no admission "
          "flags (it has no key and no accept hook)";
   const auto begin = Clock::now();
   ASSERT_TRUE(peer.send_bytewise(all));

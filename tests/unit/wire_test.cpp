@@ -334,7 +334,7 @@ TEST(WireDecoder, OversizedFrameIsAnErrorWithoutAllocating) {
 }
 
 TEST(WireDecoder, UnknownFrameTypeIsAnError) {
-  for (const std::uint8_t type : {std::uint8_t{0}, std::uint8_t{8}, std::uint8_t{0xFF}}) {
+  for (const std::uint8_t type : {std::uint8_t{0}, std::uint8_t{9}, std::uint8_t{0xFF}}) {
     for (const bool split : {false, true}) {
       Stream s = make_stream({5});  // one good message first
       const Bytes header = raw_header(4, type);

@@ -38,6 +38,7 @@ void Backend::shutdown() noexcept {
   m_flush_signal.close();
   m_prepare.close();
   m_registry.clear_index();
+  m_sessions.clear();
   NETIO3_DEBUG("asyncmsg: backend shut down ({} listener(s), {} connection(s) dropped)",
                all.listeners.size(), all.connections.size());
 }
@@ -87,6 +88,7 @@ void Backend::open_active_endpoint(const EndPointAddress& address,
   m_registry.check_connection_free(held, address);
   auto conn = std::make_shared<Connection>(next_id(), m_io, m_chunks, m_bodies, address, params, 0,
                                            Phase::CONNECTING);
+  if (conn->session.enabled) conn->session.id = new_session_id();
   attach_send_pool(*conn);
   int err = 0;
   try {
@@ -152,10 +154,17 @@ void Backend::close_transport(const std::shared_ptr<Connection>& conn) {
     if (ending.cause == CloseCause::LOCAL && ending.was_open) say_goodbye(*conn);
     conn->receive_paused = false;
     conn->queue.clear();
+    conn->replay.clear();
     conn->flush_pending = false;
     conn->fd.close();
   }
   release_receive_memory(*conn);
+  if (conn->session.enabled && !conn->active()) {
+    const std::string id{conn->session.id.begin(), conn->session.id.end()};
+    if (const auto it = m_sessions.find(id); it != m_sessions.end() && it->second.lock() == conn) {
+      m_sessions.erase(it);
+    }
+  }
   if ((ending.cause == CloseCause::LOCAL && ending.was_open) || conn->linger_on_close) {
     linger(*conn);
   } else {
@@ -186,8 +195,12 @@ void Backend::abandon(Connection& conn) noexcept {
     conn.phase = Phase::CLOSED;
     conn.ledger.cancel_all();
     conn.queue.clear();
+    conn.replay.clear();
   }
   drain_and_close(conn.socket);
+  if (auto carrier = std::exchange(conn.session.carrier, nullptr)) {
+    abandon(static_cast<Connection&>(*carrier));
+  }
 }
 
 void Backend::request_flush(const std::shared_ptr<Connection>& conn) {
@@ -252,12 +265,18 @@ bool Backend::on_message(const std::shared_ptr<Connection>& conn,
   if (const auto go_on = admission_frame(conn, type, message)) [[unlikely]] {
     return *go_on;
   }
+  if (type == detail::FRAME_SESSION) [[unlikely]] {
+    return on_session(conn, message);
+  }
   if (conn->setting_up() && !conn->ending() && !shut_down() &&
       !conn->close_requested.load(std::memory_order_relaxed)) [[unlikely]] {
     return setup_protocol_error(conn, fmt::format("a {} frame before the connection was admitted",
                                                   type == detail::FRAME_DATA  ? "DATA"
                                                   : type == detail::FRAME_ACK ? "ACK"
                                                                               : "HEARTBEAT"));
+  }
+  if (conn->awaiting_go) [[unlikely]] {
+    return protocol_violation(conn, "a frame before the GO of the resumed session");
   }
   if (!still_open(*conn)) return false;
   if (type == detail::FRAME_ACK) [[unlikely]] {
@@ -315,7 +334,8 @@ void Backend::send_control(const std::shared_ptr<Connection>& conn,
   bool need_flush = false;
   {
     const std::lock_guard lock{conn->mutex};
-    if (conn->phase != Phase::OPEN ||
+    // Not while a session is interrupted: the resume's set-up tells the counts.
+    if (conn->phase != Phase::OPEN || conn->session.down ||
         (!closing_too && conn->close_requested.load(std::memory_order_relaxed))) {
       return;
     }
@@ -470,7 +490,7 @@ void Backend::update_events(Connection& conn) {
   const std::uint32_t events =
       (conn.receive_paused ? 0U : std::uint32_t{EPOLLIN}) | (conn.epollout ? EPOLLOUT : 0U);
   const std::lock_guard lock{conn.mutex};
-  conn.fd.modify(events);
+  if (conn.fd) conn.fd.modify(events);  // none: a session between two transport connections
 }
 
 bool Backend::admit(Connection& conn, std::size_t length) {

@@ -120,7 +120,8 @@ struct Connection : detail::ConnectionBase {
         socket{*io},
         // The set-up's frames, whatever the configured limit (admitted() sets that).
         decoder{detail::MAX_ADMISSION_FRAME},
-        queue{std::move(chunks)} {
+        queue{chunks},
+        replay{std::move(chunks)} {
     decoder.set_body_cache(std::move(bodies));
   }
 
@@ -144,8 +145,17 @@ struct Connection : detail::ConnectionBase {
   std::optional<detail::AdmissionExchange> admission;  // from the first greeting sent
   bool linger_on_close{false};  // refused as a server: let what was written reach the peer
 
+  // Sessions (docs/sessions.md), loop thread only.
+  bool wants_session{false};     // server: the client's greeting asked for a session
+  bool awaiting_session{false};  // set-up: the SESSION frame (server) or its answer is next
+  bool awaiting_go{false};       // server, resuming: the client's GO is next
+  std::uint64_t resume_from{0};  // server, resuming: the client's count of our messages
+
   // Under `mutex`.
   SendQueue queue;
+  // A session connection's messages until acknowledged (`queue` references them): what a
+  // resume sends again.
+  SendQueue replay;
   bool flush_pending{false};
   std::size_t max_send_message{0};  // min(own limit, peer's announced limit)
 };
@@ -161,6 +171,11 @@ inline void drain_and_close(tcp::socket& socket) noexcept {
   socket.close(ec);
 }
 
+// A SESSION frame (docs/sessions.md; setup.cpp).
+std::array<std::uint8_t, FRAME_HEADER_SIZE + detail::SESSION_BODY_SIZE> session_frame(
+    const detail::ConnectionBase::SessionId& id, std::uint64_t count, std::uint64_t give_up_ms,
+    std::uint8_t flags);
+
 // Always thread-safe: its sockets are used on the loop thread only, and other threads only
 // queue sends under a connection's lock.
 class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
@@ -168,6 +183,8 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
                 public std::enable_shared_from_this<Backend> {
  public:
   static constexpr BackendType TYPE = BackendType::ASYNCMSG;
+  // Sessions (DeliveryParameters::Session): the engine's interrupt and resume.
+  static constexpr bool SESSIONS = true;
   using Engine = detail::ConnectionEngine<Backend, Connection, Listener>;
   friend class detail::StreamAdmission<Backend, Connection>;
   static constexpr detail::SetupFrames SETUP_FRAMES{
@@ -250,6 +267,14 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
   // Drops a connection without callbacks (backend shutdown).
   static void abandon(Connection& conn) noexcept;
 
+  // ---- sessions (the engine's interrupt and resume; setup.cpp) --------------------------
+  void detach_transport(const std::shared_ptr<Connection>& conn);
+  std::shared_ptr<detail::ConnectionBase> resume_transport(const std::shared_ptr<Connection>& conn);
+  // Under the connection's lock: the peer acknowledged `count` messages.
+  static void acknowledged(Connection& conn, std::uint64_t count) {
+    if (conn.session.enabled) conn.replay.release_below(count);
+  }
+
  private:
   // ---- helpers shared by the API ----------------------------------------------------
 
@@ -276,8 +301,17 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
       if (conn->queue.unsent_bytes() >= m_config.limits.max_unsent_bytes) {
         return NetioStatus::NO_RESOURCES;
       }
-      fill(conn->queue);
-      conn->queue.mark(conn->ledger.add(pending));
+      if (conn->session.enabled) [[unlikely]] {
+        // Kept in the replay log until acknowledged; written from there unless interrupted.
+        const std::uint64_t from = conn->replay.appended();
+        fill(conn->replay);
+        conn->replay.mark(conn->ledger.add(pending));
+        if (conn->session.down) return NetioStatus::OK;
+        conn->queue.append_refs_from(conn->replay, from);
+      } else {
+        fill(conn->queue);
+        conn->queue.mark(conn->ledger.add(pending));
+      }
       need_flush = !std::exchange(conn->flush_pending, true);
     }
     NETIO3_TRACE("asyncmsg: send to {} key={} size={}", conn->remote, pending.key, size);
@@ -345,6 +379,20 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
   bool setup_protocol_error(const std::shared_ptr<Connection>& conn, std::string_view what);
 
   bool on_message(const std::shared_ptr<Connection>& conn, std::span<const std::uint8_t> message);
+
+  // Sessions (setup.cpp): a SESSION frame; the server's answer to a client's; the client's to
+  // the server's; `carrier`'s transport connection carries `conn` from now on.
+  bool on_session(const std::shared_ptr<Connection>& conn, std::span<const std::uint8_t> body);
+  bool session_request(const std::shared_ptr<Connection>& conn,
+                       const detail::ConnectionBase::SessionId& id, std::uint64_t count,
+                       std::uint64_t give_up_ms, std::uint8_t flags);
+  bool session_answer(const std::shared_ptr<Connection>& conn,
+                      const detail::ConnectionBase::SessionId& id, std::uint64_t count,
+                      std::uint8_t flags);
+  void adopt(const std::shared_ptr<Connection>& conn, const std::shared_ptr<Connection>& carrier);
+  // Writes what was not delivered again, behind `frame`, and takes sends again.
+  void carry_on(const std::shared_ptr<Connection>& conn, std::span<const std::uint8_t> frame,
+                std::uint64_t peer_count);
 
   void on_readable(const std::shared_ptr<Connection>& conn);
   void read_available(const std::shared_ptr<Connection>& conn);
@@ -419,6 +467,8 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
 
   EventSignalHandle m_flush_signal;
   PrepareHookHandle m_prepare;
+  // Server: the sessions of its connections, by id (loop thread only).
+  std::unordered_map<std::string, std::weak_ptr<Connection>> m_sessions;
 };
 
 #pragma GCC visibility pop

@@ -40,11 +40,14 @@ void SendQueue::release(Chunk& chunk) noexcept {
 
 void SendQueue::push_segment(const std::uint8_t* ptr, std::size_t len, bool staged) {
   if (len == 0) return;
-  if (staged && m_tail_is_staged && !m_segments.empty()) {
+  // Copies grow the last staged segment; references to bytes that follow the last segment's
+  // in memory (a replay log's, buffers of one pool) join it too: one iovec.
+  if ((!staged || m_tail_is_staged) && !m_segments.empty()) {
     auto& last = m_segments.back();
     if (last.ptr + last.len == ptr) {
       last.len += len;
       m_appended += len;
+      if (!staged) m_tail_is_staged = false;
       return;
     }
   }
@@ -133,6 +136,49 @@ void SendQueue::consume(std::size_t n, std::vector<detail::SendLedger::Ticket>& 
     m_chunks.clear();
     m_tail_is_staged = false;
   }
+}
+
+std::uint64_t SendQueue::start_of(detail::SendLedger::Ticket ticket) const noexcept {
+  std::uint64_t start = m_written;
+  for (const auto& mark : m_marks) {
+    if (mark.ticket >= ticket) return start;
+    start = mark.end;
+  }
+  return m_appended;
+}
+
+void SendQueue::append_refs_from(const SendQueue& log, std::uint64_t from) {
+  const std::uint64_t base = m_appended;
+  // The log's segments and marks that end after `from`: its newest, so found from the back.
+  std::size_t first_segment = log.m_segments.size();
+  std::uint64_t segment_start = log.m_appended;
+  while (first_segment > 0 && segment_start > from) {
+    --first_segment;
+    segment_start -= log.m_segments[first_segment].len;
+  }
+  for (std::size_t i = first_segment; i < log.m_segments.size(); ++i) {
+    const auto& seg = log.m_segments[i];
+    const std::uint64_t skip = from > segment_start ? from - segment_start : 0;
+    segment_start += seg.len;
+    if (skip >= seg.len) continue;
+    push_segment(seg.ptr + skip, seg.len - static_cast<std::size_t>(skip), false);
+  }
+  std::size_t first_mark = log.m_marks.size();
+  while (first_mark > 0 && log.m_marks[first_mark - 1].end > from) --first_mark;
+  for (std::size_t i = first_mark; i < log.m_marks.size(); ++i) {
+    m_marks.push_back(Mark{base + (log.m_marks[i].end - from), log.m_marks[i].ticket});
+  }
+}
+
+void SendQueue::release_below(detail::SendLedger::Ticket count) {
+  std::uint64_t upto = m_written;
+  while (!m_marks.empty() && m_marks.front().ticket < count) {
+    upto = m_marks.front().end;
+    m_marks.pop_front();
+  }
+  if (upto == m_written) return;
+  std::vector<detail::SendLedger::Ticket> none;  // their marks are gone: stays empty
+  consume(static_cast<std::size_t>(upto - m_written), none);
 }
 
 void SendQueue::clear() noexcept {

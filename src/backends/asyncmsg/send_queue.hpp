@@ -80,6 +80,20 @@ class SendQueue {
   // Drops everything (on close).
   void clear() noexcept;
 
+  // A session connection's replay log (DeliveryParameters::Session) is a second queue that
+  // keeps every message until the peer acknowledges it; the queue written to the socket
+  // references its bytes.
+  // The stream offset of the end of what was appended.
+  [[nodiscard]] std::uint64_t appended() const noexcept { return m_appended; }
+  // The offset where the message of `ticket` begins (its predecessors' end; `appended()`
+  // past the last one).
+  [[nodiscard]] std::uint64_t start_of(detail::SendLedger::Ticket ticket) const noexcept;
+  // References (and marks) what `log` holds from offset `from` on: the messages appended to
+  // it since, or those to send again after a resume.
+  void append_refs_from(const SendQueue& log, std::uint64_t from);
+  // Drops the messages of tickets below `count` (acknowledged) from the head.
+  void release_below(detail::SendLedger::Ticket count);
+
   [[nodiscard]] bool empty() const noexcept { return m_segments.empty(); }
   [[nodiscard]] std::uint64_t unsent_bytes() const noexcept { return m_appended - m_written; }
   [[nodiscard]] std::size_t chunks() const noexcept { return m_chunks.size(); }

@@ -196,6 +196,13 @@ bool Backend::on_greeting(const std::shared_ptr<Connection>& conn, const Greetin
   conn->peer_sends_heartbeats = greeting.minor >= detail::ASYNCMSG_HEARTBEAT_MINOR;
   conn->peer_takes_heartbeats = conn->peer_sends_heartbeats;
   conn->peer_says_goodbye = greeting.minor >= detail::ASYNCMSG_GOODBYE_MINOR;
+  const bool peer_sessions = greeting.minor >= detail::ASYNCMSG_SESSION_MINOR;
+  conn->wants_session =
+      !conn->active() && peer_sessions && (greeting.flags & detail::GREETING_SESSION) != 0;
+  if (conn->session.enabled && !peer_sessions) {
+    return setup_protocol_error(
+        conn, "the peer cannot resume sessions (its netio3 is too old for delivery.session)");
+  }
   return admission_greeting(conn, greeting);
 }
 
@@ -211,7 +218,240 @@ bool Backend::admitted(const std::shared_ptr<Connection>& conn) {
     return false;
   }
   conn->decoder.set_max_message_size(m_max_message);
+  if (conn->session.enabled) {
+    // A client with a session: a new one, or (a carrier) the resume of its connection's.
+    const auto target = std::static_pointer_cast<Connection>(conn->session.resumes.lock());
+    const auto frame = session_frame(conn->session.id, target ? target->acks.delivered : 0,
+                                     static_cast<std::uint64_t>(conn->session.give_up.count()),
+                                     target ? detail::SESSION_RESUME : std::uint8_t{0});
+    conn->awaiting_session = true;
+    write_setup(conn, frame);
+    return setup_alive(*conn);
+  }
+  if (conn->wants_session) {
+    conn->awaiting_session = true;  // the client's SESSION frame comes next
+    return setup_alive(*conn);
+  }
   return established(conn, capabilities(*conn));
+}
+
+// ---- sessions (DeliveryParameters::Session; docs/sessions.md) ----------------------------
+
+std::array<std::uint8_t, FRAME_HEADER_SIZE + detail::SESSION_BODY_SIZE> session_frame(
+    const detail::ConnectionBase::SessionId& id, std::uint64_t count, std::uint64_t give_up_ms,
+    std::uint8_t flags) {
+  std::array<std::uint8_t, FRAME_HEADER_SIZE + detail::SESSION_BODY_SIZE> frame{};
+  encode_frame_header(frame.data(), detail::SESSION_BODY_SIZE, detail::FRAME_SESSION);
+  std::uint8_t* body = frame.data() + FRAME_HEADER_SIZE;
+  std::copy(id.begin(), id.end(), body);
+  detail::store_le64(body + id.size(), count);
+  detail::store_le64(body + id.size() + 8, give_up_ms);
+  body[detail::SESSION_BODY_SIZE - 1] = flags;
+  return frame;
+}
+
+bool Backend::on_session(const std::shared_ptr<Connection>& conn,
+                         std::span<const std::uint8_t> body) {
+  if (shut_down() || conn->ending() || conn->close_requested.load()) return false;
+  const auto violation = [&](std::string_view what) {
+    return conn->setting_up() ? setup_protocol_error(conn, what) : protocol_violation(conn, what);
+  };
+  if (body.size() != detail::SESSION_BODY_SIZE) {
+    return violation(fmt::format("a SESSION frame with {} bytes of body", body.size()));
+  }
+  detail::ConnectionBase::SessionId id{};
+  std::copy_n(body.begin(), id.size(), id.begin());
+  const std::uint64_t count = detail::load_le64(body.data() + id.size());
+  const std::uint64_t give_up_ms = detail::load_le64(body.data() + id.size() + 8);
+  const std::uint8_t flags = body[detail::SESSION_BODY_SIZE - 1];
+  if (conn->awaiting_go) {
+    // Server, resuming: the client has the new connection; what it had not delivered follows.
+    if (flags != detail::SESSION_GO || id != conn->session.id) {
+      return violation("a SESSION frame other than the GO of the resumed session");
+    }
+    conn->awaiting_go = false;
+    carry_on(conn, {}, conn->resume_from);
+    return resumed(conn, conn->resume_from);
+  }
+  if (!conn->awaiting_session) return violation("an unexpected SESSION frame");
+  conn->awaiting_session = false;
+  return conn->active() ? session_answer(conn, id, count, flags)
+                        : session_request(conn, id, count, give_up_ms, flags);
+}
+
+bool Backend::session_request(const std::shared_ptr<Connection>& conn,
+                              const detail::ConnectionBase::SessionId& id, std::uint64_t count,
+                              std::uint64_t give_up_ms, std::uint8_t flags) {
+  const std::string key{id.begin(), id.end()};
+  // At most a day: the client's give_up, bounded so that a peer cannot pin a session forever.
+  constexpr std::uint64_t MAX_GIVE_UP_MS = 24ULL * 3600 * 1000;
+  if ((flags & detail::SESSION_RESUME) == 0) {
+    if (flags != 0 || give_up_ms == 0 || m_sessions.contains(key)) {
+      return setup_protocol_error(conn, "a SESSION frame that opens no valid new session");
+    }
+    conn->session.enabled = true;
+    conn->session.id = id;
+    conn->session.give_up = std::chrono::milliseconds{std::min(give_up_ms, MAX_GIVE_UP_MS)};
+    {
+      const std::lock_guard lock{conn->mutex};
+      conn->ledger.expect_acknowledgements();
+    }
+    conn->acknowledged_sends.store(true);
+    conn->acks.peer_wants_acks = true;
+    m_sessions[key] = conn;
+    write_setup(conn, session_frame(id, 0, give_up_ms, 0));
+    if (!setup_alive(*conn)) return false;
+    return established(conn, capabilities(*conn));
+  }
+  const auto it = m_sessions.find(key);
+  auto session = it != m_sessions.end() ? it->second.lock() : nullptr;
+  if (!session || session->ending() || session->close_requested.load() ||
+      session->remote.address != conn->remote.address) {
+    NETIO3_WARN("asyncmsg: {} asked to resume a session this process does not know; refused",
+                conn->remote);
+    refuse_and_linger(*conn, session_frame(id, 0, 0, detail::SESSION_UNKNOWN));
+    refuse(conn, RefusalCause::SETUP_FAILED, "unknown session");
+    return false;
+  }
+  if (!session->session.down) {
+    interrupt(session,
+              "the peer resumed the session on a new connection (the old one broke "
+              "without this side noticing)");
+    if (session->ending() || shut_down()) return false;
+  }
+  adopt(session, conn);
+  session->awaiting_go = true;
+  session->resume_from = count;
+  {
+    const std::lock_guard lock{session->mutex};
+    session->queue.append_copy(
+        session_frame(id, session->acks.delivered, 0, detail::SESSION_RESUME));
+    session->flush_pending = true;
+  }
+  flush(session, std::chrono::steady_clock::now() + FLUSH_BUDGET);
+  close(conn, "its connection carries a resumed session", CloseCause::LOCAL, false);
+  return false;  // the session's connection reads what follows
+}
+
+bool Backend::session_answer(const std::shared_ptr<Connection>& conn,
+                             const detail::ConnectionBase::SessionId& id, std::uint64_t count,
+                             std::uint8_t flags) {
+  if (id != conn->session.id) {
+    return setup_protocol_error(conn, "a SESSION frame for another session");
+  }
+  const auto target = std::static_pointer_cast<Connection>(conn->session.resumes.lock());
+  if (!target) {
+    if (flags != 0 || count != 0) {
+      return setup_protocol_error(conn, "a SESSION frame that answers no new session");
+    }
+    conn->acks.peer_wants_acks = true;
+    return established(conn, capabilities(*conn));
+  }
+  if (flags == detail::SESSION_UNKNOWN) {
+    // The peer's process restarted (or gave the session up): nothing more can be resumed.
+    give_up(target,
+            "the peer no longer knows the session (unknown session: its process "
+            "restarted, or it gave the session up)");
+    return false;
+  }
+  if (flags != detail::SESSION_RESUME) {
+    return setup_protocol_error(conn, "a SESSION frame that answers no resume");
+  }
+  if (target->ending() || !target->session.down) {
+    close(conn, "the session ended meanwhile", CloseCause::LOCAL, false);
+    return false;
+  }
+  adopt(target, conn);
+  conn->session.resumes.reset();
+  close(conn, "its connection carries a resumed session", CloseCause::LOCAL, false);
+  carry_on(target, session_frame(id, target->acks.delivered, 0, detail::SESSION_GO), count);
+  (void)resumed(target, count);
+  return false;  // the session's connection reads what follows
+}
+
+void Backend::adopt(const std::shared_ptr<Connection>& conn,
+                    const std::shared_ptr<Connection>& carrier) {
+  detach_transport(conn);  // the old one, if this side had not noticed it break
+  std::size_t max_send = 0;
+  {
+    const std::lock_guard lock{carrier->mutex};
+    carrier->fd.close();
+    max_send = carrier->max_send_message;
+  }
+  conn->socket = std::move(carrier->socket);
+  conn->decoder.reset_to_frames();
+  conn->decoder.set_max_message_size(m_max_message);
+  conn->peer_sends_heartbeats = carrier->peer_sends_heartbeats;
+  conn->peer_takes_heartbeats = carrier->peer_takes_heartbeats;
+  conn->peer_says_goodbye = carrier->peer_says_goodbye;
+  conn->goodbye_received = false;
+  conn->epollout = false;
+  conn->large_messages = false;
+  conn->wake_threshold = 1;
+  conn->queued_at_tick = 0;
+  // What this side acknowledged is told by the resume's set-up.
+  conn->acks.acked = conn->acks.delivered;
+  conn->acks.bytes_unacked = 0;
+  conn->acks.ack_due = false;
+  const std::lock_guard lock{conn->mutex};
+  conn->max_send_message = max_send;
+  conn->fd = m_loop->add_fd(conn->socket.native_handle(), EPOLLIN, socket_callback(conn));
+}
+
+void Backend::carry_on(const std::shared_ptr<Connection>& conn, std::span<const std::uint8_t> frame,
+                       std::uint64_t peer_count) {
+  {
+    // With the sends' lock: a send from another thread lands after what is sent again.
+    const std::lock_guard lock{conn->mutex};
+    conn->queue.append_copy(frame);
+    conn->queue.append_refs_from(conn->replay, conn->replay.start_of(peer_count));
+    conn->session.down = false;
+    conn->flush_pending = true;
+  }
+  flush(conn, std::chrono::steady_clock::now() + FLUSH_BUDGET);
+}
+
+void Backend::detach_transport(const std::shared_ptr<Connection>& conn) {
+  {
+    const std::lock_guard lock{conn->mutex};
+    conn->fd.close();
+    conn->queue.clear();
+    conn->flush_pending = false;
+    conn->receive_paused = false;
+  }
+  release_receive_memory(*conn);
+  drain_and_close(conn->socket);
+  conn->decoder.reset();
+  conn->epollout = false;
+  conn->awaiting_go = false;
+}
+
+std::shared_ptr<detail::ConnectionBase> Backend::resume_transport(
+    const std::shared_ptr<Connection>& conn) {
+  auto carrier = std::make_shared<Connection>(next_id(), m_io, m_chunks, m_bodies, conn->remote,
+                                              conn->params, 0, Phase::CONNECTING);
+  carrier->session.resumes = conn;
+  carrier->session.id = conn->session.id;
+  std::string why;
+  try {
+    if (const int err = start_connect(carrier->socket, conn->remote); err != 0) {
+      why = "connect failed: " + detail::errno_text(err);
+    }
+  } catch (const std::runtime_error& e) {
+    why = e.what();
+  }
+  if (!why.empty()) {
+    NETIO3_DEBUG("asyncmsg: resuming the connection with {}: {}", conn->remote, why);
+    conn->session.reason = why;
+    return nullptr;
+  }
+  {
+    const std::lock_guard lock{carrier->mutex};
+    carrier->fd =
+        m_loop->add_fd(carrier->socket.native_handle(), EPOLLOUT, socket_callback(carrier));
+  }
+  track_setup(carrier);
+  return carrier;
 }
 
 bool Backend::setup_protocol_error(const std::shared_ptr<Connection>& conn, std::string_view what) {
