@@ -1,11 +1,14 @@
 #include "fault_fixture.hpp"
 
+#include <atomic>
 #include <charconv>
 #include <cstdlib>
 #include <iostream>
 #include <sstream>
+#include <unistd.h>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <gtest/gtest.h>
 
 namespace netio3::faults {
@@ -59,6 +62,98 @@ std::optional<Clock::time_point> Side::wait_closed(const EndPointAddress& remote
   return at;
 }
 
+// Runs a command to its end; "" on success, else what went wrong.
+std::string run_command(const std::vector<std::string>& argv) {
+  try {
+    ChildProcess child{argv};
+    if (child.wait(Clock::now() + WAIT) == 0) return {};
+    return fmt::format("`{}` failed\n{}", fmt::join(argv, " "), child.describe());
+  } catch (const std::exception& e) {
+    return fmt::format("`{}`: {}", fmt::join(argv, " "), e.what());
+  }
+}
+
+namespace {
+
+// Waits until an interface of a namespace is operationally up (by asking `ip`, until a
+// deadline); "" when it is, else why not.
+std::string wait_running(const std::string& ns, const std::string& dev) {
+  const auto deadline = Clock::now() + WAIT;
+  const std::vector<std::string> argv{"ip", "-n", ns, "-o", "link", "show", "dev", dev};
+  while (Clock::now() < deadline) {
+    ChildProcess ip{argv};
+    if (ip.wait(deadline) != 0) {
+      return fmt::format("`{}` failed\n{}", fmt::join(argv, " "), ip.describe());
+    }
+    if (ip.out().find(" state UP ") != std::string::npos) return {};
+  }
+  return fmt::format("{} in {} did not come up within {} s", dev, ns,
+                     test::DEFAULT_TIMEOUT.count() / 1000);
+}
+
+}  // namespace
+
+NamespacePair::NamespacePair() {
+  if (::geteuid() != 0) {
+    m_why = "network namespaces need root";
+    return;
+  }
+  static std::atomic<int> counter{0};
+  const int pid = ::getpid();
+  const int n = counter++;
+  ns_a = fmt::format("n3a-{}-{}", pid, n);
+  ns_b = fmt::format("n3b-{}-{}", pid, n);
+  veth_a = fmt::format("n3va{}k{}", pid, n);
+  veth_b = fmt::format("n3vb{}k{}", pid, n);
+  const int x = (pid >> 8) & 0xff;
+  const int y = pid & 0xff;
+  ip_a = fmt::format("10.{}.{}.1", x, y);
+  ip_b = fmt::format("10.{}.{}.2", x, y);
+  m_why = run_command({"ip", "netns", "add", ns_a});
+  if (!m_why.empty()) return;
+  m_created_a = true;
+  m_why = run_command({"ip", "netns", "add", ns_b});
+  if (!m_why.empty()) return;
+  m_created_b = true;
+  for (const auto& argv : std::vector<std::vector<std::string>>{
+           {"ip", "-n", ns_a, "link", "add", veth_a, "type", "veth", "peer", "name", veth_b,
+            "netns", ns_b},
+           {"ip", "-n", ns_a, "addr", "add", ip_a + "/24", "dev", veth_a},
+           {"ip", "-n", ns_b, "addr", "add", ip_b + "/24", "dev", veth_b},
+           {"ip", "-n", ns_a, "link", "set", "lo", "up"},
+           {"ip", "-n", ns_b, "link", "set", "lo", "up"},
+           {"ip", "-n", ns_a, "link", "set", veth_a, "up"},
+           {"ip", "-n", ns_b, "link", "set", veth_b, "up"}}) {
+    m_why = run_command(argv);
+    if (!m_why.empty()) return;
+  }
+  // The carrier is up at once, the operational state follows through the kernel's link
+  // watch a little later; UCX only uses interfaces that are running when it starts.
+  for (const auto& [ns, veth] : {std::pair{ns_a, veth_a}, std::pair{ns_b, veth_b}}) {
+    m_why = wait_running(ns, veth);
+    if (!m_why.empty()) return;
+  }
+}
+
+NamespacePair::~NamespacePair() {
+  for (const auto& [created, ns] : {std::pair{m_created_a, ns_a}, std::pair{m_created_b, ns_b}}) {
+    if (!created) continue;
+    const std::string error = run_command({"ip", "netns", "del", ns});
+    if (!error.empty()) ADD_FAILURE() << "namespace left behind: " << error;
+  }
+}
+
+std::string NamespacePair::cut() const {
+  return run_command({"ip", "-n", ns_a, "link", "set", veth_a, "down"});
+}
+
+std::string NamespacePair::restore() const {
+  if (auto error = run_command({"ip", "-n", ns_a, "link", "set", veth_a, "up"}); !error.empty()) {
+    return error;
+  }
+  return wait_running(ns_a, veth_a);
+}
+
 std::vector<std::string> peer_command(const PeerOptions& o, const std::string& netns) {
   std::vector<std::string> argv;
   if (!netns.empty()) argv = {"ip", "netns", "exec", netns};
@@ -97,6 +192,22 @@ std::vector<std::string> peer_command(const PeerOptions& o, const std::string& n
   if (o.undumpable) {
     argv.emplace_back("--undumpable");
     argv.emplace_back("1");
+  }
+  if (o.port != 0) {
+    argv.emplace_back("--port");
+    argv.push_back(std::to_string(o.port));
+  }
+  if (o.rate != 0) {
+    argv.emplace_back("--rate");
+    argv.push_back(std::to_string(o.rate));
+  }
+  if (o.session) {
+    for (const auto& arg :
+         {std::string{"--session"}, std::string{"1"}, std::string{"--session-max-delay-ms"},
+          std::to_string(o.session_max_delay.count()), std::string{"--give-up-ms"},
+          std::to_string(o.give_up.count())}) {
+      argv.push_back(arg);
+    }
   }
   return argv;
 }

@@ -84,6 +84,13 @@ struct PeerOptions {
   std::optional<std::chrono::milliseconds> peer_timeout;  // limits.peer_timeout
   bool undumpable{false};           // the peer makes itself non-dumpable (no process may read it)
   std::vector<std::string> prefix;  // a command that runs the peer (e.g. setpriv ...)
+  std::uint16_t port{0};            // --listen: the port (0: the OS chooses)
+  // Sessions (delivery.session, set by the connecting side): on, with this back-off's longest
+  // delay and give-up.
+  bool session{false};
+  std::chrono::milliseconds session_max_delay{500};
+  std::chrono::milliseconds give_up{60000};
+  std::uint64_t rate{0};  // a sender's messages per second (0: unpaced)
 };
 
 // argv of netio3_fault_peer, optionally run inside a network namespace (`ip netns exec`,
@@ -116,6 +123,37 @@ struct PeerOptions {
 [[nodiscard]] std::optional<EndPointAddress> await_peer_connection(Side& side, ChildProcess& peer,
                                                                    std::size_t before,
                                                                    Clock::time_point deadline);
+
+// Runs a command to its end; "" on success, else what went wrong.
+[[nodiscard]] std::string run_command(const std::vector<std::string>& argv);
+
+// Two network namespaces joined by a veth pair with 10.x.y.1/24 (A) and 10.x.y.2/24 (B),
+// named after this process (x.y from its pid). Deleted on destruction, also when a test
+// fails (the veth goes with them).
+class NamespacePair {
+ public:
+  NamespacePair();
+  ~NamespacePair();
+  NamespacePair(const NamespacePair&) = delete;
+  NamespacePair& operator=(const NamespacePair&) = delete;
+  NamespacePair(NamespacePair&&) = delete;
+  NamespacePair& operator=(NamespacePair&&) = delete;
+
+  // Why the namespaces could not be set up; empty when they were.
+  [[nodiscard]] const std::string& why() const { return m_why; }
+
+  // A loses its link (and B its carrier); "" or what went wrong.
+  [[nodiscard]] std::string cut() const;
+  // A's link is back (and running); "" or what went wrong.
+  [[nodiscard]] std::string restore() const;
+
+  std::string ns_a, ns_b, veth_a, veth_b, ip_a, ip_b;
+
+ private:
+  std::string m_why;
+  bool m_created_a{false};
+  bool m_created_b{false};
+};
 
 // Prints a measurement as one machine-readable line and records it as a test property.
 void report_measurement(const std::string& name, double value, const std::string& unit);

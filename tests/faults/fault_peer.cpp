@@ -4,8 +4,11 @@
 //   netio3_fault_peer --backend NAME --role send|recv (--listen IP | --connect IP:PORT)
 //                     [--messages N] [--size BYTES] [--mode buffered|zerocopy|copy]
 //                     [--stream ID] [--progress K] [--timeout SECONDS]
-//                     [--peer-timeout-ms MS]
+//                     [--peer-timeout-ms MS] [--port P] [--session 0|1]
+//                     [--session-max-delay-ms MS] [--give-up-ms MS] [--rate MSG_PER_S]
 //
+// --rate paces a sender (slices of 100 messages, each no earlier than the rate allows): a
+// stream that lasts as long as a test's sequence of faults, whatever the machine's speed.
 // It makes one connection (listening on IP at a port the OS chooses, or connecting) and
 // then, as receiver, checks that stream ID arrives in order and intact, or, as sender, sends
 // stream ID. N = 0 means until the connection closes (or the process is killed). With N > 0
@@ -23,6 +26,10 @@
 //   CLOSED at_us=<t> remote=... cancelled=<n> received=<n> bad=<n> cause=<CloseCause>
 //                                     the closed callback; t is CLOCK_MONOTONIC in us
 //   LEDGER ok=... completed=... cancelled=... unreported=... violations=...
+//   INTERRUPTED at_us=<t> reason=...  a session's transport broke (--session)
+//   RESUMED at_us=<t> outage_ms=<ms>  and was resumed
+//   CANCELLED count=<n> first=<key> last=<key> contiguous=<0|1>
+//                                     sender: the keys its closed callback listed
 //   END <reason>
 //
 // Exit status: 0 everything as expected, 1 a broken stream or key ledger, 2 bad usage,
@@ -40,6 +47,8 @@
 #include <string>
 #include <string_view>
 #include <sys/prctl.h>
+#include <sys/resource.h>
+#include <thread>
 #include <vector>
 
 #include <fmt/format.h>
@@ -78,6 +87,11 @@ struct Options {
   std::chrono::seconds timeout{60};
   std::optional<std::chrono::milliseconds> peer_timeout;  // limits.peer_timeout
   bool undumpable{false};  // prctl(PR_SET_DUMPABLE, 0) first: no process may read this one
+  std::uint16_t port{0};   // --listen at this port
+  bool session{false};     // delivery.session on the connection it opens
+  std::chrono::milliseconds session_max_delay{2000};
+  std::chrono::milliseconds give_up{60000};
+  std::uint64_t rate{0};  // messages per second (0: as fast as it goes)
 };
 
 template <typename T>
@@ -93,7 +107,8 @@ std::optional<T> parse_number(std::string_view text) {
                "netio3_fault_peer: %s\nusage: netio3_fault_peer --backend NAME --role send|recv "
                "(--listen IP | --connect IP:PORT) [--messages N] [--size BYTES] "
                "[--mode buffered|zerocopy|copy] [--network tcp|rdma] [--stream ID] [--progress K] "
-               "[--timeout SECONDS] [--peer-timeout-ms MS] [--undumpable 0|1]\n",
+               "[--timeout SECONDS] [--peer-timeout-ms MS] [--undumpable 0|1] [--port P] "
+               "[--session 0|1] [--session-max-delay-ms MS] [--give-up-ms MS] [--rate N]\n",
                why.c_str());
   std::exit(2);  // NOLINT(concurrency-mt-unsafe): before any thread exists
 }
@@ -156,6 +171,21 @@ Options parse(int argc, char** argv) {
       const auto n = parse_number<unsigned>(value);
       if (!n || *n == 0) usage("--peer-timeout-ms: milliseconds > 0");
       o.peer_timeout = std::chrono::milliseconds{*n};
+    } else if (name == "--port") {
+      const auto n = parse_number<std::uint16_t>(value);
+      if (!n) usage("--port: a port number");
+      o.port = *n;
+    } else if (name == "--rate") {
+      const auto n = parse_number<std::uint64_t>(value);
+      if (!n || *n == 0) usage("--rate: messages per second > 0");
+      o.rate = *n;
+    } else if (name == "--session") {
+      if (value != "0" && value != "1") usage("--session is 0 or 1");
+      o.session = value == "1";
+    } else if (name == "--session-max-delay-ms" || name == "--give-up-ms") {
+      const auto n = parse_number<unsigned>(value);
+      if (!n || *n == 0) usage(fmt::format("{}: milliseconds > 0", name));
+      (name == "--give-up-ms" ? o.give_up : o.session_max_delay) = std::chrono::milliseconds{*n};
     } else if (name == "--timeout") {
       const auto n = parse_number<unsigned>(value);
       if (!n || *n == 0) usage("--timeout: seconds > 0");
@@ -182,15 +212,32 @@ int run(const Options& o) {
     // 64 payload slots (at least one byte: a region cannot be empty).
     region.resize(std::max<std::size_t>(64 * (o.size - netio3::faults::HEADER_BYTES), 1));
   }
-  const auto params = netio3::faults::connection_params(o.mode, o.size, region);
+  auto params = netio3::faults::connection_params(o.mode, o.size, region);
+  if (o.session) {
+    params.delivery.session.enabled = true;
+    params.delivery.session.first_delay =
+        std::min(std::chrono::milliseconds{50}, o.session_max_delay);
+    params.delivery.session.max_delay = o.session_max_delay;
+    params.delivery.session.give_up = o.give_up;
+  }
   auto config = observer.config(o.network);
   if (o.peer_timeout) config.limits.peer_timeout = *o.peer_timeout;
+  config.on_connection_interrupted_cb = [](const netio3::EndPointAddress& /*remote*/,
+                                           const std::string& reason) {
+    print_line(
+        fmt::format("INTERRUPTED at_us={} reason={}", netio3::faults::monotonic_us(), reason));
+  };
+  config.on_connection_resumed_cb = [](const netio3::EndPointAddress& /*remote*/,
+                                       std::chrono::milliseconds outage) {
+    print_line(fmt::format("RESUMED at_us={} outage_ms={}", netio3::faults::monotonic_us(),
+                           outage.count()));
+  };
   auto backend = netio3::Netio3Backend::create(o.backend, std::move(config), loop.loop());
 
   // ---- Connect
   netio3::EndPointAddress remote;
   if (o.listen) {
-    const auto local = backend->open_listen_endpoint({*o.listen, 0}, params);
+    const auto local = backend->open_listen_endpoint({*o.listen, o.port}, params);
     print_line(fmt::format("PORT {}", local.port));
     if (!observer.wait([](const Observer& ob) { return ob.established_count() > 0; }, deadline)) {
       print_line("END nobody connected before the deadline");
@@ -247,11 +294,19 @@ int run(const Options& o) {
     const std::stop_source never;
     std::uint64_t printed = 0;
     netio3::faults::StreamEnd end{};
-    // Sends in slices so that progress can be printed from this thread.
+    // Sends in slices so that progress can be printed (and the rate kept) from this thread.
+    constexpr std::uint64_t PACED_SLICE = 100;
+    const auto started = Clock::now();
     for (;;) {
+      const std::uint64_t slice = o.rate != 0 ? PACED_SLICE : o.progress;
       const std::uint64_t slice_end =
-          o.progress == 0 ? o.messages : sender.sent() + o.progress - sender.sent() % o.progress;
-      end = sender.run(never.get_token(), deadline, slice_end);
+          slice == 0 ? o.messages : sender.sent() + slice - sender.sent() % slice;
+      if (o.rate != 0) {
+        std::this_thread::sleep_until(
+            started + std::chrono::microseconds{sender.sent() * 1'000'000 / o.rate});
+      }
+      end = sender.run(never.get_token(), deadline,
+                       o.messages != 0 ? std::min(slice_end, o.messages) : slice_end);
       if (o.progress != 0 && sender.sent() / o.progress > printed) {
         printed = sender.sent() / o.progress;
         print_line(fmt::format("SENT {}", printed * o.progress));
@@ -285,7 +340,18 @@ int run(const Options& o) {
     const auto conn = observer.connection_copy(remote);
     const auto& ledger = conn->ledger;
     print_line("LEDGER " + ledger.summary());
+    if (conn->closed) {
+      const auto& keys = conn->cancelled_keys;
+      bool contiguous = true;
+      for (std::size_t i = 1; i < keys.size(); ++i) contiguous &= keys[i] == keys[i - 1] + 1;
+      print_line(fmt::format("CANCELLED count={} first={} last={} contiguous={}", keys.size(),
+                             keys.empty() ? 0 : keys.front(), keys.empty() ? 0 : keys.back(),
+                             contiguous ? 1 : 0));
+    }
     if (!ledger.violations.empty() || (conn->closed && ledger.unreported() != 0)) status = 1;
+    rusage usage{};
+    (void)::getrusage(RUSAGE_SELF, &usage);
+    print_line(fmt::format("MAXRSS kb={}", usage.ru_maxrss));
     if (!conn->closed && Clock::now() >= deadline) status = status == 0 ? 3 : status;
     print_line(fmt::format("END {} after {} sends{}", netio3::faults::to_string(end), sender.sent(),
                            sender.error().empty() ? "" : ": " + sender.error()));
