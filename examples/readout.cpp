@@ -9,10 +9,11 @@
 // Run: example_readout --port PORT [--backend asyncmsg] [--mode tcp] [--ip 127.0.0.1]
 //                      [--fragments 10000] [--seconds 0] [--size 4096]
 //                      [--send zero-copy|buffered] [--slots 64] [--acknowledged 0|1]
-//                      [--close-after-send 0|1]
+//                      [--close-after-send 0|1] [--session 0|1]
 // --acknowledged 1: the builder acknowledges what it was handed (a completion means it has
 // the fragment); --close-after-send 1 with it: close right after the last send, not after
-// its completion - the close drains, and the completions still come.
+// its completion - the close drains, and the completions still come. --session 1 (asyncmsg):
+// acknowledged, and a cut connection is resumed rather than closed (docs/sessions.md).
 // --seconds N sends for N seconds instead of --fragments. Prints, when the connection closed,
 // "sent S, completed C, cancelled X" and the rate. Exit status 0 if the connection was made
 // and every send completed (none cancelled), 1 otherwise.
@@ -56,7 +57,8 @@ int main(int argc, char** argv) {
                                                 {"send", "zero-copy"},
                                                 {"slots", "64"},
                                                 {"acknowledged", "0"},
-                                                {"close-after-send", "0"}});
+                                                {"close-after-send", "0"},
+                                                {"session", "0"}});
   if (!options) return 2;
   const auto type = options->backend();
   const auto mode = parse_network_mode(options->str("mode"));
@@ -67,9 +69,10 @@ int main(int argc, char** argv) {
   const auto slots = options->number<std::size_t>("slots");
   const auto acknowledged = options->number<unsigned>("acknowledged");
   const auto close_after_send = options->number<unsigned>("close-after-send");
+  const auto session = options->number<unsigned>("session");
   const std::string& send = options->str("send");
   if (!type || !mode || !port || !fragments || !seconds || !size || !slots || !acknowledged ||
-      !close_after_send) {
+      !close_after_send || !session) {
     return 2;
   }
   if (*port == 0 || *slots == 0 || *size < sizeof(std::uint64_t) ||
@@ -202,6 +205,8 @@ int main(int argc, char** argv) {
     ConnectionParameters params{};
     // --acknowledged 1: a completion means the builder was handed the fragment.
     params.delivery.acknowledged = *acknowledged != 0;
+    // --session 1: a cut connection is resumed, every fragment delivered once.
+    params.delivery.session.enabled = *session != 0;
     if (zero_copy) {
       params.send_zero_copy_params = {.buf_size = region.size(), .mr_start = region.data()};
     } else {

@@ -86,10 +86,22 @@ std::vector<ModeParam> mode_params() {
   return out;
 }
 
+std::vector<ModeParam> mode_params_with_sessions() {
+  auto out = mode_params();
+  const auto plain = out.size();
+  for (std::size_t i = 0; i < plain; ++i) {
+    if (out[i].backend != BackendType::ASYNCMSG) continue;
+    auto with_session = out[i];
+    with_session.session = true;
+    out.push_back(with_session);
+  }
+  return out;
+}
+
 std::string mode_param_name(const testing::TestParamInfo<ModeParam>& info) {
   const auto& p = info.param;
-  return fmt::format("{}_{}_{}", netio3::to_string(p.backend), to_string(p.mode),
-                     netio3::to_string(p.model));
+  return fmt::format("{}_{}_{}{}", netio3::to_string(p.backend), to_string(p.mode),
+                     netio3::to_string(p.model), p.session ? "_session" : "");
 }
 
 ConnectionParameters sender_params(const BackendTraits& traits, SendMode mode,

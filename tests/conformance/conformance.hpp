@@ -44,8 +44,11 @@ struct ModeParam {
   BackendType backend;
   SendMode mode;
   ThreadSafetyModel model;
+  bool session{false};  // the client's acknowledged connections have a session (asyncmsg)
 };
 [[nodiscard]] std::vector<ModeParam> mode_params();
+// mode_params() and, for the backends with sessions, each once more with session.
+[[nodiscard]] std::vector<ModeParam> mode_params_with_sessions();
 [[nodiscard]] std::string mode_param_name(const testing::TestParamInfo<ModeParam>& info);
 
 inline constexpr std::size_t BUF_SIZE = 4096;

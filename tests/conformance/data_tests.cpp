@@ -1,5 +1,6 @@
 // Data path conformance: backend x send mode x thread-safety model x message size, and the
-// extreme sizes once more with the client's sends acknowledged (DeliveryParameters).
+// extreme sizes once more with the client's sends acknowledged (DeliveryParameters), and on
+// asyncmsg with a session (delivery.session).
 
 #include <algorithm>
 #include <set>
@@ -16,6 +17,7 @@ struct DataParam {
   ThreadSafetyModel model;
   std::size_t size;
   bool acknowledged{false};
+  bool session{false};
 };
 
 std::string size_name(std::size_t size) {
@@ -28,7 +30,9 @@ std::string param_name(const testing::TestParamInfo<DataParam>& info) {
   const auto& p = info.param;
   return fmt::format("{}_{}_{}_{}{}", netio3::to_string(p.backend), to_string(p.mode),
                      netio3::to_string(p.model), size_name(p.size),
-                     p.acknowledged ? "_acknowledged" : "");
+                     p.session        ? "_session"
+                     : p.acknowledged ? "_acknowledged"
+                                      : "");
 }
 
 std::vector<DataParam> all_params() {
@@ -42,6 +46,8 @@ std::vector<DataParam> all_params() {
         }
         for (const std::size_t size : {std::size_t{0}, LARGE}) {
           out.push_back({backend, mode, model, size, true});
+          if (backend == BackendType::ASYNCMSG)
+            out.push_back({backend, mode, model, size, true, true});
         }
       }
     }
@@ -72,6 +78,7 @@ class Data : public testing::TestWithParam<DataParam> {
     client->call([&] {
       auto params = sender_params(t, p.mode, region, BUF_SIZE, std::max(p.size, BUF_SIZE));
       params.delivery.acknowledged = p.acknowledged;
+      params.delivery.session.enabled = p.session;
       client->backend->open_active_endpoint(listen, params);
     });
     auto remote = wait_connected(*client, *server, listen);

@@ -2,7 +2,8 @@
 // acknowledged connection a send completes once the peer's application was handed the
 // message; the replay window bounds what is held; a close lists what was not acknowledged.
 // Every backend x send mode x thread-safety model, the sender without receive buffers (a
-// readout only sends: libfabric must still receive the acknowledgements).
+// readout only sends: libfabric must still receive the acknowledgements). On asyncmsg once
+// more with sessions (delivery.session): a session's sends are acknowledged the same way.
 
 #include <atomic>
 #include <condition_variable>
@@ -56,6 +57,7 @@ class Delivery : public testing::TestWithParam<ModeParam> {
     auto params = sender_params(traits(GetParam().backend), GetParam().mode, region, BUF_SIZE);
     params.recv_params = {};
     params.delivery = {.acknowledged = acknowledged, .replay_window = window};
+    params.delivery.session.enabled = acknowledged && GetParam().session;
     client->call([&] { client->backend->open_active_endpoint(listen, params); });
     auto remote = wait_connected(*client, *server, listen);
     ASSERT_TRUE(remote.has_value()) << "connection was not established on both sides";
@@ -211,6 +213,7 @@ TEST_P(Delivery, ADrainThatTimesOutListsEveryKeyNotAcknowledged) {
   auto params = sender_params(traits(GetParam().backend), GetParam().mode, region, BUF_SIZE);
   params.recv_params = {};
   params.delivery = {.acknowledged = true, .drain_timeout = std::chrono::milliseconds{200}};
+  params.delivery.session.enabled = GetParam().session;
   client->call([&] { client->backend->open_active_endpoint(listen, params); });
   ASSERT_TRUE(wait_connected(*client, *server, listen).has_value());
   block_server();
@@ -255,6 +258,7 @@ TEST_P(Delivery, BothDirectionsAcknowledged) {
   });
   auto params = sender_params(traits(p.backend), p.mode, region, BUF_SIZE);
   params.delivery.acknowledged = true;
+  params.delivery.session.enabled = p.session;
   client->call([&] { client->backend->open_active_endpoint(listen, params); });
   auto remote = wait_connected(*client, *server, listen);
   ASSERT_TRUE(remote.has_value());
@@ -277,6 +281,7 @@ TEST_P(Delivery, BothDirectionsAcknowledged) {
 
 }  // namespace
 
-INSTANTIATE_TEST_SUITE_P(Conformance, Delivery, testing::ValuesIn(mode_params()), mode_param_name);
+INSTANTIATE_TEST_SUITE_P(Conformance, Delivery, testing::ValuesIn(mode_params_with_sessions()),
+                         mode_param_name);
 
 }  // namespace netio3::conformance

@@ -32,21 +32,26 @@ constexpr int ROUNDS = netio3::test::SANITIZED ? 3 : 20;
 struct FanInCase {
   std::string backend;
   std::size_t size;
-  std::uint64_t fragments;  // per readout: far more than the builder's buffers hold
-  bool acknowledged{false};  // the readouts' sends are acknowledged (DeliveryParameters)
+  std::uint64_t fragments;       // per readout: far more than the builder's buffers hold
+  bool acknowledged{false};      // the readouts' sends are acknowledged (DeliveryParameters)
   bool close_after_send{false};  // a readout closes right after its last send (drains)
+  bool session{false};           // and its connection has a session (asyncmsg)
 };
 
 void PrintTo(const FanInCase& c, std::ostream* os) {
   *os << fmt::format("{} x {} fragments of {} bytes{}{}", c.backend, c.fragments, c.size,
-                     c.acknowledged ? ", acknowledged" : "",
+                     c.session        ? ", with sessions"
+                     : c.acknowledged ? ", acknowledged"
+                                      : "",
                      c.close_after_send ? ", closed after the last send" : "");
 }
 
 std::string name_of(const ::testing::TestParamInfo<FanInCase>& info) {
   return fmt::format("{}_{}{}{}", info.param.backend,
                      info.param.size >= 1024 * 1024 ? "1MiB" : fmt::format("{}B", info.param.size),
-                     info.param.acknowledged ? "_acknowledged" : "",
+                     info.param.session        ? "_session"
+                     : info.param.acknowledged ? "_acknowledged"
+                                               : "",
                      info.param.close_after_send ? "_closed_after_send" : "");
 }
 
@@ -60,6 +65,10 @@ std::vector<FanInCase> cases() {
     all.push_back({name, 1024 * 1024, 64, true});
     all.push_back({name, 4096, 4000, true, true});
     all.push_back({name, 1024 * 1024, 64, true, true});
+    if (type == netio3::BackendType::ASYNCMSG) {
+      all.push_back({name, 4096, 4000, true, true, true});
+      all.push_back({name, 1024 * 1024, 64, true, true, true});
+    }
   }
   return all;
 }
@@ -103,11 +112,10 @@ TEST_P(FanIn, ReadoutsThatCloseAfterTheirLastCompletionLoseNothing) {
     ASSERT_TRUE(port.has_value()) << builder.describe();
     std::vector<std::unique_ptr<Child>> readouts;
     for (int i = 0; i < READOUTS; ++i) {
-      readouts.push_back(std::make_unique<Child>(
-          std::vector<std::string>{EXAMPLE_READOUT, "--backend", c.backend, "--port", *port,
-                                   "--size", size, "--fragments", fragments, "--acknowledged",
-                                   c.acknowledged ? "1" : "0", "--close-after-send",
-                                   c.close_after_send ? "1" : "0"}));
+      readouts.push_back(std::make_unique<Child>(std::vector<std::string>{
+          EXAMPLE_READOUT, "--backend", c.backend, "--port", *port, "--size", size, "--fragments",
+          fragments, "--acknowledged", c.acknowledged ? "1" : "0", "--close-after-send",
+          c.close_after_send ? "1" : "0", "--session", c.session ? "1" : "0"}));
     }
     const auto deadline = Clock::now() + 120s;
     for (auto& r : readouts) {
