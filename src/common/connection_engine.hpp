@@ -682,6 +682,15 @@ class ConnectionEngine {
     }
     session.give_up_timer.start_once(std::max(session.give_up, std::chrono::milliseconds{1}));
     if (conn->active()) schedule_attempt(conn);
+    if (m_api_depth > 0) {
+      // Caused by an API call on the loop thread: reported after it has returned.
+      std::weak_ptr<Derived> weak = derived().weak_from_this();
+      m_loop->post([weak, conn, reason = session.reason] {
+        auto self = weak.lock();
+        if (self && !self->shut_down()) self->m_notifier.interrupted(conn->remote, reason);
+      });
+      return;
+    }
     m_notifier.interrupted(conn->remote, session.reason);
   }
 

@@ -321,6 +321,74 @@ TEST_F(HostileAsyncmsg, AcknowledgementsGoToPeersThatAskAndForgedOnesCloseTheCon
   finish();
 }
 
+// Sessions (1.6): a client whose greeting asks for a session must send a valid SESSION frame
+// before its connection is established; a resume of a session the server does not know is
+// answered UNKNOWN and the connection closed; a session id in use cannot be opened twice.
+// None of them is ever established, and the server serves on.
+TEST_F(HostileAsyncmsg, SessionFramesThatOpenOrResumeNothingAreRefused) {
+  ASSERT_NO_FATAL_FAILURE(start());
+  constexpr std::uint32_t FLAG_SESSION = 1U << 4U;
+  constexpr std::uint8_t FRAME_TYPE_SESSION = 8;
+  const auto session_frame = [&](std::uint8_t id_byte, std::uint64_t give_up_ms,
+                                 std::uint8_t flags, std::size_t size = 33) {
+    Bytes body(size, 0);
+    if (size == 33) {
+      std::fill_n(body.begin(), 16, id_byte);
+      put_le64(body.data() + 24, give_up_ms);
+      body[32] = flags;
+    }
+    Bytes frame = frame_header(static_cast<std::uint32_t>(size), FRAME_TYPE_SESSION);
+    append(frame, body);
+    return frame;
+  };
+  const auto session_greeting = [&] {
+    return greeting(1, 6, 0xFFFF'FFFFU, GREETING_FLAG_ACKNOWLEDGE | FLAG_SESSION);
+  };
+  {  // a SESSION frame of the wrong size
+    RawPeer peer{m_listen};
+    Bytes all = session_greeting();
+    append(all, session_frame(0, 0, 0, 5));
+    ASSERT_TRUE(peer.send_all(all));
+    expect_dropped(peer, {"a SESSION frame with 5 bytes of body"});
+    EXPECT_EQ(server_events(Recorder::Kind::ESTABLISHED, peer.local()), 0U);
+  }
+  {  // the resume of a session nobody opened: answered UNKNOWN, then closed
+    RawPeer peer{m_listen};
+    Bytes all = session_greeting();
+    append(all, session_frame(0x5A, 1000, 1));
+    ASSERT_TRUE(peer.send_all(all));
+    ASSERT_TRUE(peer.read_exact(GREETING_SIZE).has_value());
+    const auto header = peer.read_exact(HEADER_SIZE);
+    ASSERT_TRUE(header.has_value()) << "no answer to the resume";
+    EXPECT_EQ((*header)[4], FRAME_TYPE_SESSION);
+    ASSERT_EQ(get_le32(header->data()), 33U);
+    const auto body = peer.read_exact(33);
+    ASSERT_TRUE(body.has_value());
+    EXPECT_EQ((*body)[32], 2) << "not answered UNKNOWN";
+    expect_dropped(peer, {"asked to resume a session this process does not know"});
+    EXPECT_EQ(server_events(Recorder::Kind::ESTABLISHED, peer.local()), 0U);
+  }
+  {  // a new session, then another with the same id
+    RawPeer first{m_listen};
+    Bytes all = session_greeting();
+    append(all, session_frame(0x77, 1000, 0));
+    ASSERT_TRUE(first.send_all(all));
+    ASSERT_TRUE(wait_server_event(Recorder::Kind::ESTABLISHED, first.local()));
+    RawPeer second{m_listen};
+    ASSERT_TRUE(second.send_all(all));
+    expect_dropped(second, {"a SESSION frame that opens no valid new session"});
+    EXPECT_EQ(server_events(Recorder::Kind::ESTABLISHED, second.local()), 0U);
+  }
+  {  // a SESSION frame from a client whose greeting asked for none
+    RawPeer peer{m_listen};
+    Bytes all = greeting(1, 6);
+    append(all, session_frame(0x33, 1000, 0));
+    ASSERT_TRUE(peer.send_all(all));
+    expect_dropped(peer, {"an unexpected SESSION frame"});
+  }
+  finish();
+}
+
 // A client whose sends are to be acknowledged does not set up a connection with a server
 // whose protocol (1.4) cannot acknowledge: refused, with the reason.
 TEST(HostileAsyncmsgServer, AnAcknowledgedClientRefusesAServerTooOldToAcknowledge) {

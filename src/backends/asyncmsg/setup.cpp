@@ -289,7 +289,10 @@ bool Backend::session_request(const std::shared_ptr<Connection>& conn,
     if (flags != 0 || give_up_ms == 0 || m_sessions.contains(key)) {
       return setup_protocol_error(conn, "a SESSION frame that opens no valid new session");
     }
-    conn->session.enabled = true;
+    {
+      const std::lock_guard lock{conn->mutex};  // a send may look at it from another thread
+      conn->session.enabled = true;
+    }
     conn->session.id = id;
     conn->session.give_up = std::chrono::milliseconds{std::min(give_up_ms, MAX_GIVE_UP_MS)};
     {
