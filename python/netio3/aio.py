@@ -21,6 +21,7 @@ import asyncio
 import atexit
 import collections
 import itertools
+import logging
 import select
 import time
 import weakref
@@ -40,6 +41,8 @@ __all__ = [
 ]
 
 Address = Any  # an EndPointAddress or an (IP, port) pair
+
+_log = logging.getLogger("netio3")
 Buffer = Any  # a C-contiguous buffer-protocol object: bytes, bytearray, memoryview, numpy
 
 
@@ -263,6 +266,20 @@ class _Backend:
                 if c is not None:
                     c._ready()
 
+        def on_interrupted(remote, reason):
+            s = ref()
+            if s is not None and not s.exiting:
+                c = s.connections.get(remote)
+                if c is not None:
+                    c._interrupted(reason)
+
+        def on_resumed(remote, outage):
+            s = ref()
+            if s is not None and not s.exiting:
+                c = s.connections.get(remote)
+                if c is not None:
+                    c._resumed(outage)
+
         self._config = _n.NetworkConfig(
             mode=options.mode,
             on_data_from_cb=on_data,
@@ -276,6 +293,8 @@ class _Backend:
             partition_key=options.partition_key,
             identity=options.identity,
             on_accept_cb=options.accept,
+            on_connection_interrupted_cb=on_interrupted,
+            on_connection_resumed_cb=on_resumed,
         )
         self._finalizer: Optional[weakref.finalize] = None
 
@@ -299,7 +318,9 @@ class _Backend:
                                      use_shared_receive_buffers=True)
         else:
             recv = _n.RecvParameters(buf_size=size, num_buf=o.num_buffers)
-        delivery = _n.DeliveryParameters(acknowledged=o.acknowledged)
+        delivery = _n.DeliveryParameters(
+            acknowledged=o.acknowledged or o.session,
+            session=_n.SessionParameters(enabled=o.session and self.listener is None))
         if region is not None:
             return _n.ConnectionParameters(
                 recv_params=recv, send_zero_copy_params=_n.SendZeroCopyParameters(region),
@@ -381,9 +402,11 @@ class _Backend:
 
 class _Options:
     def __init__(self, backend, mode, max_message_size, num_buffers, limits,
-                 partition_key="", identity="", accept=None, acknowledged=False):
+                 partition_key="", identity="", accept=None, acknowledged=False,
+                 session=False):
         self.backend = _backend_type(backend)
         self.acknowledged = acknowledged
+        self.session = session
         self.partition_key = partition_key
         self.identity = identity
         self.accept = accept
@@ -423,6 +446,10 @@ class Connection:
         self.cancelled_keys: tuple[int, ...] = ()
         #: Why it ended (a CloseReason), once it did.
         self.close_reason: Optional[_n.CloseReason] = None
+        #: Sessions: why the connection is interrupted now (None while it is not), and the
+        #: outages it rode out, in seconds.
+        self.interrupted: Optional[str] = None
+        self.outages: list[float] = []
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
@@ -575,6 +602,17 @@ class Connection:
         if future is not None and not future.done():
             future.set_result(None)
 
+    def _interrupted(self, reason: str) -> None:
+        # Nothing to do for the application: sends wait, the session resumes by itself.
+        self.interrupted = reason
+        _log.warning("connection with %s interrupted (%s); resuming it", _text(self.remote),
+                     reason)
+
+    def _resumed(self, outage: float) -> None:
+        self.interrupted = None
+        self.outages.append(outage)
+        _log.info("connection with %s resumed after %.3f s", _text(self.remote), outage)
+
     def _ready(self) -> None:
         waiters, self._ready_waiters = self._ready_waiters, []
         for waiter in waiters:
@@ -717,6 +755,14 @@ class Context:
     acknowledged by the peer, so an awaited ``send`` returns once the peer's application
     was handed the message, not once it left this process; closing a connection first waits
     (up to 10 s) for what was sent before to be acknowledged.
+
+    session=True (docs/sessions.md, asyncmsg): connections this context makes are
+    acknowledged and ride out a cut - a reset, a link down longer than peer_timeout - without
+    a close: they reconnect by themselves and send again exactly what the peer had not
+    delivered, so every message arrives once and in order and awaited sends simply take
+    longer. ``conn.interrupted`` says why while it is cut, ``conn.outages`` lists the
+    outages ridden out; both are logged on the ``netio3`` logger. A listener needs nothing
+    (its clients ask).
     """
 
     def __init__(self, backend: Union[str, _n.BackendType] = "asyncmsg",
@@ -726,9 +772,9 @@ class Context:
                  identity: str = "",
                  accept: Optional[Callable[[_n.PeerInfo],
                                            Union[bool, _n.AcceptDecision]]] = None,
-                 acknowledged: bool = False):
+                 acknowledged: bool = False, session: bool = False):
         self._options = _Options(backend, mode, max_message_size, num_buffers, limits,
-                                 partition_key, identity, accept, acknowledged)
+                                 partition_key, identity, accept, acknowledged, session)
         self._driver: Optional[_Driver] = None
         self._client: Optional[_Backend] = None
         self._client_started: Optional[asyncio.Future] = None

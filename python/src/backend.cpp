@@ -177,6 +177,8 @@ Backend::Backend(BackendType type, PyConfig config, std::shared_ptr<Loop> loop)
   s->completed = SharedRef{config.on_send_completed_cb};
   s->ready = SharedRef{config.on_ready_to_send_cb};
   s->accept = SharedRef{config.on_accept_cb};
+  s->interrupted = SharedRef{config.on_connection_interrupted_cb};
+  s->resumed = SharedRef{config.on_connection_resumed_cb};
 
   NetworkConfig c{.mode = config.mode,
                   .thread_safety = config.thread_safety,
@@ -253,6 +255,27 @@ Backend::Backend(BackendType type, PyConfig config, std::shared_ptr<Loop> loop)
       with_python(s, [&] {
         const py::object address = s->address_of(remote);
         call_guarded("on_ready_to_send_cb", s->ready.handle(), address.ptr());
+      });
+    };
+  }
+  if (s->interrupted) {
+    c.on_connection_interrupted_cb = [s](const EndPointAddress& remote, const std::string& reason) {
+      with_python(s, [&] {
+        const py::object address = s->address_of(remote);
+        const py::str why{reason};
+        call_guarded("on_connection_interrupted_cb", s->interrupted.handle(), address.ptr(),
+                     why.ptr());
+      });
+    };
+  }
+  if (s->resumed) {
+    c.on_connection_resumed_cb = [s](const EndPointAddress& remote,
+                                     std::chrono::milliseconds outage) {
+      with_python(s, [&] {
+        const py::object address = s->address_of(remote);
+        const py::float_ seconds{to_seconds(outage)};
+        call_guarded("on_connection_resumed_cb", s->resumed.handle(), address.ptr(),
+                     seconds.ptr());
       });
     };
   }
@@ -502,17 +525,48 @@ inside it; netio3 holds it until the connection ends.)doc")
       .def(py::init([](py::object region) { return PySendZeroCopyParameters{std::move(region)}; }),
            py::arg("region") = py::none())
       .def_readwrite("region", &PySendZeroCopyParameters::region);
+  using Session = DeliveryParameters::Session;
+  py::class_<Session>(m, "SessionParameters", R"doc(
+Sessions (docs/sessions.md, asyncmsg): `enabled`, a connection that rides out a cut - it is
+interrupted and resumed (every message delivered once, in order) rather than closed; the
+connecting side reconnects after `first_delay` seconds, doubling up to `max_delay`, with
+jitter, and gives up after `give_up` seconds of outage.)doc")
+      .def(py::init([](bool enabled, const py::object& first_delay, const py::object& max_delay,
+                       const py::object& give_up) {
+             Session session{.enabled = enabled};
+             if (!first_delay.is_none()) session.first_delay = to_milliseconds(first_delay);
+             if (!max_delay.is_none()) session.max_delay = to_milliseconds(max_delay);
+             if (!give_up.is_none()) session.give_up = to_milliseconds(give_up);
+             return session;
+           }),
+           py::arg("enabled") = false, py::arg("first_delay") = py::none(),
+           py::arg("max_delay") = py::none(), py::arg("give_up") = py::none())
+      .def_readwrite("enabled", &Session::enabled)
+      .def_property(
+          "first_delay", [](const Session& p) { return to_seconds(p.first_delay); },
+          [](Session& p, py::handle v) { p.first_delay = to_milliseconds(v); })
+      .def_property(
+          "max_delay", [](const Session& p) { return to_seconds(p.max_delay); },
+          [](Session& p, py::handle v) { p.max_delay = to_milliseconds(v); })
+      .def_property(
+          "give_up", [](const Session& p) { return to_seconds(p.give_up); },
+          [](Session& p, py::handle v) { p.give_up = to_milliseconds(v); });
   py::class_<DeliveryParameters>(m, "DeliveryParameters", R"doc(
 What a send's completion means on a connection. `acknowledged`: it completes once the peer's
 application was handed the message (else: once it left this process). `replay_window`: bytes
-of acknowledged sends not yet acknowledged beyond which a send is refused (NO_RESOURCES).)doc")
-      .def(py::init([](bool acknowledged, std::size_t replay_window) {
-             return DeliveryParameters{acknowledged, replay_window};
+of acknowledged sends not yet acknowledged beyond which a send is refused (NO_RESOURCES).
+`session` (SessionParameters, asyncmsg): resume the connection after a cut.)doc")
+      .def(py::init([](bool acknowledged, std::size_t replay_window, Session session) {
+             DeliveryParameters delivery{acknowledged, replay_window};
+             delivery.session = session;
+             return delivery;
            }),
            py::arg("acknowledged") = false,
-           py::arg("replay_window") = DeliveryParameters{}.replay_window)
+           py::arg("replay_window") = DeliveryParameters{}.replay_window,
+           py::arg("session") = Session{})
       .def_readwrite("acknowledged", &DeliveryParameters::acknowledged)
-      .def_readwrite("replay_window", &DeliveryParameters::replay_window);
+      .def_readwrite("replay_window", &DeliveryParameters::replay_window)
+      .def_readwrite("session", &DeliveryParameters::session);
   py::class_<PyConnectionParameters>(m, "ConnectionParameters",
                                      "What a connection (or a listener's connections) can do.")
       .def(py::init([](RecvParameters recv, SendBufferedParameters buffered, py::object zero_copy,
@@ -596,7 +650,9 @@ capabilities), on_connection_closed_cb(remote, cancelled_keys),
 on_connection_closed_reason_cb(remote, cancelled_keys, reason) (instead of
 on_connection_closed_cb: a CloseReason with the CloseCause and the message),
 on_connection_refused_cb(remote), on_connection_refused_reason_cb(remote, reason),
-on_send_completed_cb(remote, key), on_ready_to_send_cb(remote). `receive` is
+on_send_completed_cb(remote, key), on_ready_to_send_cb(remote),
+on_connection_interrupted_cb(remote, reason) and on_connection_resumed_cb(remote,
+outage_seconds) (sessions, docs/sessions.md). `receive` is
 Receive.BYTES (data is a bytes copy) or Receive.MEMORYVIEW (a read-only view valid during the
 callback only, released after it). partition_key and identity are admission's
 (docs/admission.md): a key both sides prove, at least 16 bytes, and the name this side
@@ -612,7 +668,9 @@ RefusalCause.NOT_ADMITTED with the server's reason.)doc")
                        NetworkLimits limits, py::object on_ready_to_send_cb,
                        py::object on_data_from_cb, py::object on_connection_refused_reason_cb,
                        Receive receive, std::string partition_key, std::string identity,
-                       py::object on_accept_cb, py::object on_connection_closed_reason_cb) {
+                       py::object on_accept_cb, py::object on_connection_closed_reason_cb,
+                       py::object on_connection_interrupted_cb,
+                       py::object on_connection_resumed_cb) {
              return PyConfig{mode,
                              thread_safety,
                              shared_receive_buffers,
@@ -630,7 +688,9 @@ RefusalCause.NOT_ADMITTED with the server's reason.)doc")
                              std::move(partition_key),
                              std::move(identity),
                              std::move(on_accept_cb),
-                             std::move(on_connection_closed_reason_cb)};
+                             std::move(on_connection_closed_reason_cb),
+                             std::move(on_connection_interrupted_cb),
+                             std::move(on_connection_resumed_cb)};
            }),
            py::kw_only(), py::arg("mode") = NetworkMode::TCP,
            py::arg("thread_safety") = ThreadSafetyModel::SAFE,
@@ -644,7 +704,9 @@ RefusalCause.NOT_ADMITTED with the server's reason.)doc")
            py::arg("on_connection_refused_reason_cb") = py::none(),
            py::arg("receive") = Receive::BYTES, py::arg("partition_key") = std::string{},
            py::arg("identity") = std::string{}, py::arg("on_accept_cb") = py::none(),
-           py::arg("on_connection_closed_reason_cb") = py::none())
+           py::arg("on_connection_closed_reason_cb") = py::none(),
+           py::arg("on_connection_interrupted_cb") = py::none(),
+           py::arg("on_connection_resumed_cb") = py::none())
       .def_readwrite("mode", &PyConfig::mode)
       .def_readwrite("thread_safety", &PyConfig::thread_safety)
       .def_readwrite("shared_receive_buffers", &PyConfig::shared_receive_buffers)
@@ -662,7 +724,9 @@ RefusalCause.NOT_ADMITTED with the server's reason.)doc")
       .def_readwrite("partition_key", &PyConfig::partition_key)
       .def_readwrite("identity", &PyConfig::identity)
       .def_readwrite("on_accept_cb", &PyConfig::on_accept_cb)
-      .def_readwrite("on_connection_closed_reason_cb", &PyConfig::on_connection_closed_reason_cb);
+      .def_readwrite("on_connection_closed_reason_cb", &PyConfig::on_connection_closed_reason_cb)
+      .def_readwrite("on_connection_interrupted_cb", &PyConfig::on_connection_interrupted_cb)
+      .def_readwrite("on_connection_resumed_cb", &PyConfig::on_connection_resumed_cb);
 
   py::class_<PyNetworkBuffer>(m, "NetworkBuffer", R"doc(
 A send buffer lent by NetworkBackend.get_buffer: write into it, then send_buffer(). It is

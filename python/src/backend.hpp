@@ -53,6 +53,8 @@ struct PyConfig {
   std::string identity;
   py::object on_accept_cb = py::none();  // on_accept_cb(PeerInfo) -> AcceptDecision | bool
   py::object on_connection_closed_reason_cb = py::none();  // (remote, cancelled_keys, reason)
+  py::object on_connection_interrupted_cb = py::none();    // (remote, reason): sessions
+  py::object on_connection_resumed_cb = py::none();        // (remote, outage in seconds)
 };
 
 // What the Python side keeps per connection (created when it is established, or at the
@@ -71,6 +73,7 @@ struct State {
   SharedRef on_data, on_data_from, established, closed, closed_reason, refused, refused_reason,
       completed, ready;
   SharedRef accept;
+  SharedRef interrupted, resumed;
   std::unordered_map<EndPointAddress, Connection> connections;
   // Zero-copy regions (send_zero_copy_params from a Python object): an active endpoint's
   // until its connection ends; a listen endpoint's until the backend goes (its connections

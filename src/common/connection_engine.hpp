@@ -684,7 +684,6 @@ class ConnectionEngine {
     if (conn->active()) schedule_attempt(conn);
     if (m_api_depth > 0) {
       // Caused by an API call on the loop thread: reported after it has returned.
-      std::weak_ptr<Derived> weak = derived().weak_from_this();
       m_loop->post([weak, conn, reason = session.reason] {
         auto self = weak.lock();
         if (self && !self->shut_down()) self->m_notifier.interrupted(conn->remote, reason);
