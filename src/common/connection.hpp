@@ -77,12 +77,16 @@ struct ConnectionBase : std::enable_shared_from_this<ConnectionBase> {
         listener_id{listener_id_},
         mutex{thread_safe},
         phase{initial} {
-    if (params.delivery.acknowledged || params.delivery.session.enabled) {
+    // A session is the connecting side's: a listener's connections follow their clients
+    // (asyncmsg's SESSION frame), whatever the listener's parameters say.
+    session.enabled = params.delivery.session.enabled && active();
+    session.give_up = params.delivery.session.give_up;
+    if (params.delivery.acknowledged || session.enabled) {
       ledger.expect_acknowledgements();
       acknowledged_sends.store(true);
     }
-    session.enabled = params.delivery.session.enabled;
-    session.give_up = params.delivery.session.give_up;
+    // Sessions (asyncmsg only): a send is written to the kernel before its peer can have it.
+    if (session.enabled) ledger.expect_transport_first();
   }
 
   [[nodiscard]] bool active() const noexcept { return listener_id == 0; }

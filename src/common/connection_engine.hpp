@@ -648,16 +648,22 @@ class ConnectionEngine {
 
   // Whether a close for `cause` interrupts a session connection rather than ending it: the
   // transport broke (an error, a silent peer, an end without goodbye) on an open connection
-  // that the application is not closing.
+  // that the application is not closing - also while a close drains (the drain's timeout
+  // bounds it).
   [[nodiscard]] static bool interrupts(const Conn& conn, CloseCause cause) noexcept {
     return !conn.session.giving_up && conn.session.resumes.expired() && conn.phase == Phase::OPEN &&
            (cause == CloseCause::ERROR || cause == CloseCause::SILENT) &&
-           !conn.close_requested.load() && !conn.draining.load();
+           !conn.close_requested.load();
   }
 
   void interrupt(const std::shared_ptr<Conn>& conn, std::string_view reason) {
     auto& session = conn->session;
-    if (session.down) return;  // the old transport's late news
+    if (session.down) {
+      // A resume in progress broke (the GO never came): its transport connection goes too;
+      // the client tries again.
+      derived().detach_transport(conn);
+      return;
+    }
     {
       const std::lock_guard lock{conn->mutex};
       session.down = true;

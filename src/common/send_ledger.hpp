@@ -15,8 +15,8 @@
 // says that tickets below n were delivered. Either may come first (a UCX rendezvous send's
 // completion can follow the acknowledgement of its delivery).
 
-#include <cassert>
 #include <algorithm>
+#include <cassert>
 #include <cstdint>
 #include <vector>
 
@@ -105,6 +105,13 @@ class SendLedger {
   bool acknowledge(std::uint64_t count, std::vector<PendingSend>& out) {
     if (m_closed) return true;
     if (count < m_delivered || count > accepted()) return false;
+    if (m_transported_first) {
+      // The peer cannot have been handed what was not sent yet (a session's messages are kept
+      // in memory that is freed on acknowledgement while the socket may still need it).
+      for (Ticket t = std::max(m_delivered, m_base); t < count; ++t) {
+        if (!m_entries[t - m_base].transported) return false;
+      }
+    }
     for (Ticket t = std::max(m_delivered, m_base); t < count; ++t) {
       auto& entry = m_entries[t - m_base];
       if (entry.transported && !entry.ended) out.push_back(end(entry));
@@ -112,6 +119,18 @@ class SendLedger {
     m_delivered = count;
     pop_ended();
     return true;
+  }
+
+  // Acknowledgements must not count past what the transport completed (a transport whose
+  // completion comes before the peer can receive: asyncmsg's write to the kernel).
+  void expect_transport_first() noexcept { m_transported_first = true; }
+
+  // A session resumed: the tickets from `count` on go on the wire again, and count as not
+  // transported until the transport completes them once more.
+  void send_again_from(Ticket count) noexcept {
+    for (Ticket t = std::max(count, m_base); t < accepted(); ++t) {
+      m_entries[t - m_base].transported = false;
+    }
   }
 
   // Ends every open send as cancelled, in acceptance order, and closes the ledger.
@@ -162,6 +181,7 @@ class SendLedger {
   std::uint64_t m_cancelled{0};
   std::uint64_t m_bytes_completed{0};
   bool m_closed{false};
+  bool m_transported_first{false};
 };
 
 // Cancels every open send of a connection (closing its ledger): the buffers of buffered

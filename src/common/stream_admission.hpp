@@ -93,9 +93,10 @@ class StreamAdmission {
     }
     const auto challenge = conn.admission->start();
     greeting.flags |= conn.admission->greeting_flags();
-    const auto& delivery = conn.params.delivery;
-    if (delivery.acknowledged || delivery.session.enabled) greeting.flags |= GREETING_ACKNOWLEDGE;
-    if (delivery.session.enabled) greeting.flags |= GREETING_SESSION;
+    if (conn.params.delivery.acknowledged || conn.session.enabled) {
+      greeting.flags |= GREETING_ACKNOWLEDGE;
+    }
+    if (conn.session.enabled) greeting.flags |= GREETING_SESSION;
     const auto encoded = encode_greeting(greeting);
     std::vector<std::uint8_t> out{encoded.begin(), encoded.end()};
     if (!challenge.empty()) {
@@ -111,8 +112,7 @@ class StreamAdmission {
   bool admission_greeting(const std::shared_ptr<Conn>& conn, const Greeting& greeting) {
     const bool peer_acknowledges = greeting.minor >= Derived::SETUP_FRAMES.ack_minor;
     conn->acks.peer_wants_acks = peer_acknowledges && (greeting.flags & GREETING_ACKNOWLEDGE) != 0;
-    const auto& delivery = conn->params.delivery;
-    if ((delivery.acknowledged || delivery.session.enabled) && !peer_acknowledges) {
+    if ((conn->params.delivery.acknowledged || conn->session.enabled) && !peer_acknowledges) {
       return self().setup_protocol_error(conn, PEER_CANNOT_ACKNOWLEDGE);
     }
     return admission_step(conn, conn->admission->on_greeting(greeting.minor, greeting.flags));

@@ -349,13 +349,13 @@ int run(const Options& o) {
                              contiguous ? 1 : 0));
     }
     if (!ledger.violations.empty() || (conn->closed && ledger.unreported() != 0)) status = 1;
-    rusage usage{};
-    (void)::getrusage(RUSAGE_SELF, &usage);
-    print_line(fmt::format("MAXRSS kb={}", usage.ru_maxrss));
     if (!conn->closed && Clock::now() >= deadline) status = status == 0 ? 3 : status;
     print_line(fmt::format("END {} after {} sends{}", netio3::faults::to_string(end), sender.sent(),
                            sender.error().empty() ? "" : ": " + sender.error()));
   }
+  rusage usage{};
+  (void)::getrusage(RUSAGE_SELF, &usage);
+  print_line(fmt::format("MAXRSS kb={}", usage.ru_maxrss));
   for (const auto& violation : observer.violations_copy()) {
     print_line("VIOLATION " + violation);
     status = 1;

@@ -151,33 +151,39 @@ class Session : public ::testing::Test {
     ASSERT_TRUE(server->wait_for([&] { return server->established == 1; }));
   }
 
-  // Sends messages [0, count) of `size` bytes from a thread; stops at the first FAILED.
-  void start_stream(std::uint64_t count, std::size_t size) {
-    sender = std::jthread{[this, count, size](const std::stop_token& stop) {
+  // Sends messages [0, count) of `size` bytes from `from` to `to` on a thread; stops at the
+  // first FAILED or once the connection closed. `done` counts the sends accepted.
+  static std::jthread stream(Side& from, EndPointAddress to, std::uint64_t count, std::size_t size,
+                             std::atomic<std::uint64_t>& done) {
+    return std::jthread{[&from, to, count, size, &done](const std::stop_token& stop) {
       for (std::uint64_t seq = 0; seq < count && !stop.stop_requested(); ++seq) {
         const auto bytes = message(seq, size);
         for (;;) {
           {
-            const std::lock_guard lock{client->mutex};
-            client->ready = false;
+            const std::lock_guard lock{from.mutex};
+            from.ready = false;
           }
           NetioStatus status{};
           try {
-            status = client->backend->send_data_copy(address, bytes, {}, seq);
+            status = from.backend->send_data_copy(to, bytes, {}, seq);
           } catch (const UnknownActiveEndpoint&) {
             return;  // closed, and its closed callback has run
           }
           if (status == NetioStatus::OK) {
-            ++sent;
+            ++done;
             break;
           }
           if (status == NetioStatus::FAILED || stop.stop_requested()) return;
           // NO_RESOURCES: the replay window or the queue is full; on_ready_to_send_cb ends it.
-          client->wait_for([&] { return client->ready || client->closed > 0; }, 200ms);
-          if (client->closed > 0) return;
+          from.wait_for([&] { return from.ready || from.closed > 0; }, 200ms);
+          if (from.closed > 0) return;
         }
       }
     }};
+  }
+
+  void start_stream(std::uint64_t count, std::size_t size) {
+    sender = stream(*client, address, count, size, sent);
   }
 
   std::size_t received_by_server() {
@@ -355,6 +361,60 @@ TEST_F(Session, AGracefulCloseAfterTheLastSendDeliversEverything) {
   EXPECT_EQ(client->completed.size(), COUNT);
   const std::lock_guard server_lock{server->mutex};
   ASSERT_EQ(server->received.size(), COUNT);
+}
+
+// Both directions stream and are cut: the server's sends are resumed too (from its replay log,
+// once the client's GO came).
+TEST_F(Session, BothDirectionsAreResumedExactlyOnce) {
+  connect();
+  constexpr std::uint64_t COUNT = 20000;
+  std::atomic<std::uint64_t> server_sent{0};
+  EndPointAddress client_as_seen;
+  {
+    const std::lock_guard lock{server->mutex};
+    client_as_seen = server->peer;
+  }
+  start_stream(COUNT, 4096);
+  auto back = stream(*server, client_as_seen, COUNT, 4096, server_sent);
+  for (int cut = 0; cut < 4; ++cut) {
+    const std::size_t at = received_by_server() + COUNT / 6;
+    if (!server->wait_for(
+            [&] { return server->received.size() >= std::min<std::size_t>(at, COUNT); })) {
+      break;
+    }
+    relay->reset();
+  }
+  expect_exactly_once(COUNT);
+  ASSERT_TRUE(client->wait_for([&] { return client->received.size() >= COUNT; }));
+  ASSERT_TRUE(server->wait_for([&] { return server->completed.size() >= COUNT; }));
+  back.join();
+  const std::lock_guard lock{client->mutex};
+  ASSERT_EQ(client->received.size(), COUNT);
+  for (std::uint64_t i = 0; i < COUNT; ++i) ASSERT_EQ(client->received[i], i);
+  EXPECT_EQ(client->corrupt, 0);
+  const std::lock_guard server_lock{server->mutex};
+  EXPECT_EQ(server->completed_twice, 0);
+  EXPECT_EQ(server->closed, 0);
+  EXPECT_FALSE(server->outages.empty());
+}
+
+// A listener opened with session parameters serves plain clients and session clients alike
+// (a session is the connecting side's).
+TEST_F(Session, AListenerWithSessionParametersServesEveryClient) {
+  server = std::make_unique<Side>();
+  const auto listening = server->backend->open_listen_endpoint({"127.0.0.1", 0}, session_params());
+  client = std::make_unique<Side>();
+  Side plain;
+  client->backend->open_active_endpoint(listening, session_params());
+  plain.backend->open_active_endpoint(listening, {});
+  ASSERT_TRUE(client->wait_for([&] { return client->established == 1; }));
+  ASSERT_TRUE(plain.wait_for([&] { return plain.established == 1; }));
+  for (auto* side : {client.get(), &plain}) {
+    ASSERT_EQ(side->backend->send_data_copy(listening, message(0, 64), {}, 0), NetioStatus::OK);
+    ASSERT_TRUE(side->wait_for([&] { return side->completed.size() == 1; }));
+  }
+  ASSERT_TRUE(server->wait_for([&] { return server->received.size() == 2; }));
+  EXPECT_EQ(server->corrupt, 0);
 }
 
 TEST(SessionOtherBackends, AreRefusedWithTheReason) {

@@ -165,7 +165,8 @@ TEST(SendLedger, AnAcknowledgedSendEndsWhenTransportAndPeerAreBothDone) {
     ledger.expect_acknowledgements();
     ASSERT_TRUE(ledger.acknowledged());
     std::vector<Ticket> tickets;
-    for (std::uint64_t k = 0; k < 4; ++k) tickets.push_back(ledger.add(PendingSend{10 + k, nullptr, 100}));
+    for (std::uint64_t k = 0; k < 4; ++k)
+      tickets.push_back(ledger.add(PendingSend{10 + k, nullptr, 100}));
     EXPECT_EQ(ledger.outstanding_bytes(), 400U);
     std::vector<bool> transported(4, false);
     std::uint64_t acked = 0;
@@ -225,6 +226,35 @@ TEST(SendLedger, APlainLedgerTakesNoAcknowledgement) {
   EXPECT_FALSE(ledger.acknowledged());
   EXPECT_FALSE(ledger.acknowledge(1, out));
   EXPECT_EQ(ledger.outstanding_bytes(), 10U);
+}
+
+// Sessions: an acknowledgement may not count what the transport has not completed (its bytes
+// would be freed while the socket still needs them), and after a resume the tickets sent again
+// count as not transported until the transport completes them once more.
+TEST(SendLedger, TransportFirstRejectsAcknowledgementsOfWhatWasNotSentAndAResumeSendsAgain) {
+  SendLedger ledger;
+  ledger.expect_acknowledgements();
+  ledger.expect_transport_first();
+  std::vector<Ticket> tickets;
+  for (std::uint64_t k = 0; k < 3; ++k) tickets.push_back(ledger.add(PendingSend{k, nullptr, 10}));
+  std::vector<PendingSend> out;
+  PendingSend done{};
+  EXPECT_FALSE(ledger.complete(tickets[0], done)) << "not acknowledged yet";
+  EXPECT_FALSE(ledger.acknowledge(2, out)) << "ticket 1 was not written";
+  EXPECT_TRUE(out.empty());
+  EXPECT_TRUE(ledger.acknowledge(1, out));
+  ASSERT_EQ(out.size(), 1U);
+  EXPECT_EQ(out[0].key, 0U);
+  EXPECT_FALSE(ledger.complete(tickets[1], done));
+  // A resume from 1: ticket 1 goes on the wire again; until then it cannot be acknowledged.
+  ledger.send_again_from(1);
+  out.clear();
+  EXPECT_FALSE(ledger.acknowledge(2, out));
+  EXPECT_FALSE(ledger.complete(tickets[1], done)) << "written again, not acknowledged yet";
+  EXPECT_TRUE(ledger.acknowledge(2, out));
+  ASSERT_EQ(out.size(), 1U);
+  EXPECT_EQ(out[0].key, 1U);
+  EXPECT_EQ(ledger.outstanding(), 1U);
 }
 
 }  // namespace

@@ -11,7 +11,7 @@
 //   --send buffered|zero-copy|copy  --test throughput|latency  --size N[,N...] (k/m: KiB/MiB)
 //   --duration SECONDS  --connections N  --threads N (0: send from the loop thread)
 //   --window N  --verify light|full  --warmup N  --busy-poll US  --json FILE  --quiet  --stats
-//   --on-ready  --same-buffer  --acknowledged
+//   --on-ready  --same-buffer  --acknowledged  --session
 //
 // Exit status: 0 when every message arrived intact, 1 when one did not, 2 for bad options,
 // 3 when a run could not be done (no connection, a stall, a failed send).
@@ -83,6 +83,8 @@ run options:
                                      ucx_perftest do); sizes and order checked, not content
   --acknowledged                     the client's sends are acknowledged: each completes once
                                      the server's application was handed it
+  --session                          asyncmsg: the client's connections have a session
+                                     (acknowledged, and resumed after a cut: docs/sessions.md)
 exit status: 0 every message arrived intact, 1 something was lost or corrupted,
              2 bad options, 3 a run could not be done
 )";
@@ -105,8 +107,8 @@ struct UsageError : std::runtime_error {
 
 Args parse_args(int argc, char** argv) {
   static const std::vector<std::string> FLAGS{
-      "server", "loopback", "quiet", "stats", "list-backends", "help", "on-ready", "same-buffer",
-      "acknowledged"};
+      "server", "loopback", "quiet",       "stats",        "list-backends",
+      "help",   "on-ready", "same-buffer", "acknowledged", "session"};
   static const std::vector<std::string> VALUES{
       "client",   "backend",     "mode",    "send",     "test",      "size",
       "duration", "connections", "threads", "window",   "verify",    "warmup",
@@ -307,6 +309,7 @@ int run_clients(const Args& args, bool loopback) {
   base.partition_key = args.get("partition-key", "");
   base.on_ready = args.flag("on-ready");
   base.acknowledged = args.flag("acknowledged");
+  base.session = args.flag("session");
   if (base.on_ready && (base.threads > 0 || base.test != Test::THROUGHPUT)) {
     throw UsageError{"--on-ready: throughput with --threads 0 only"};
   }

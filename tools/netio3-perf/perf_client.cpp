@@ -571,6 +571,7 @@ ConnectionParameters Run::params_for(Conn& c) {
   ConnectionParameters params{};
   params.recv_params = {.buf_size = std::max(m_options.size, CONTROL_SIZE), .num_buf = 16};
   params.delivery.acknowledged = m_options.acknowledged;
+  params.delivery.session.enabled = m_options.session;
   switch (m_options.send) {
     case SendKind::BUFFERED:
       params.send_buffered_params = {.buf_size = std::max(m_options.size, CONTROL_SIZE),

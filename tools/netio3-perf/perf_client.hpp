@@ -43,6 +43,8 @@ struct ClientOptions {
   // DeliveryParameters::acknowledged on the client's connections: a send completes once the
   // server's application was handed it (docs/semantics.md).
   bool acknowledged{false};
+  // DeliveryParameters::Session on the client's connections (asyncmsg; docs/sessions.md).
+  bool session{false};
   // NetworkConfig::partition_key (admission, docs/admission.md); empty: none.
   std::string partition_key;
 };

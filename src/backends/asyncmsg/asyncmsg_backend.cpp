@@ -259,6 +259,9 @@ void Backend::on_socket_event(const std::shared_ptr<Connection>& conn, std::uint
 bool Backend::on_message(const std::shared_ptr<Connection>& conn,
                          std::span<const std::uint8_t> message) {
   const std::uint8_t type = conn->decoder.frame_type();
+  if (conn->awaiting_go && type != detail::FRAME_SESSION) [[unlikely]] {
+    return protocol_violation(conn, "a frame before the GO of the resumed session");
+  }
   if (type == detail::FRAME_GOODBYE || conn->goodbye_received) [[unlikely]] {
     return on_goodbye(conn, type, message);
   }
@@ -274,9 +277,6 @@ bool Backend::on_message(const std::shared_ptr<Connection>& conn,
                                                   type == detail::FRAME_DATA  ? "DATA"
                                                   : type == detail::FRAME_ACK ? "ACK"
                                                                               : "HEARTBEAT"));
-  }
-  if (conn->awaiting_go) [[unlikely]] {
-    return protocol_violation(conn, "a frame before the GO of the resumed session");
   }
   if (!still_open(*conn)) return false;
   if (type == detail::FRAME_ACK) [[unlikely]] {
@@ -358,7 +358,7 @@ void Backend::send_control(const std::shared_ptr<Connection>& conn,
 
 void Backend::on_readable(const std::shared_ptr<Connection>& conn) {
   read_available(conn);
-  if (!shut_down() && !conn->ending()) set_wake_threshold(*conn);
+  if (!shut_down() && !conn->ending() && conn->socket.is_open()) set_wake_threshold(*conn);
 }
 
 void Backend::set_wake_threshold(Connection& conn) {
@@ -426,7 +426,8 @@ void Backend::read_available(const std::shared_ptr<Connection>& conn) {
       const auto status =
           direct ? conn->decoder.commit_direct(got, on_message_cb)
                  : conn->decoder.feed(target.first(got), on_greeting_cb, on_message_cb, admit_cb);
-      if (shut_down() || conn->ending()) return;
+      // Ended, or (a session) interrupted or handed to another connection while decoding.
+      if (shut_down() || conn->ending() || !conn->socket.is_open()) return;
       if (!after_decode(conn, status)) return;
       if (got < target.size()) return;  // drained for now
       continue;

@@ -283,8 +283,10 @@ bool Backend::session_request(const std::shared_ptr<Connection>& conn,
                               const detail::ConnectionBase::SessionId& id, std::uint64_t count,
                               std::uint64_t give_up_ms, std::uint8_t flags) {
   const std::string key{id.begin(), id.end()};
-  // At most a day: the client's give_up, bounded so that a peer cannot pin a session forever.
-  constexpr std::uint64_t MAX_GIVE_UP_MS = 24ULL * 3600 * 1000;
+  // The client's give_up, at most ten minutes: a peer cannot pin an interrupted session (and
+  // its replay window) for longer.
+  constexpr std::uint64_t MAX_GIVE_UP_MS = 10ULL * 60 * 1000;
+  give_up_ms = std::min(give_up_ms, MAX_GIVE_UP_MS);
   if ((flags & detail::SESSION_RESUME) == 0) {
     if (flags != 0 || give_up_ms == 0 || m_sessions.contains(key)) {
       return setup_protocol_error(conn, "a SESSION frame that opens no valid new session");
@@ -294,10 +296,11 @@ bool Backend::session_request(const std::shared_ptr<Connection>& conn,
       conn->session.enabled = true;
     }
     conn->session.id = id;
-    conn->session.give_up = std::chrono::milliseconds{std::min(give_up_ms, MAX_GIVE_UP_MS)};
+    conn->session.give_up = std::chrono::milliseconds{give_up_ms};
     {
       const std::lock_guard lock{conn->mutex};
       conn->ledger.expect_acknowledgements();
+      conn->ledger.expect_transport_first();
     }
     conn->acknowledged_sends.store(true);
     conn->acks.peer_wants_acks = true;
@@ -320,7 +323,11 @@ bool Backend::session_request(const std::shared_ptr<Connection>& conn,
     interrupt(session,
               "the peer resumed the session on a new connection (the old one broke "
               "without this side noticing)");
-    if (session->ending() || shut_down()) return false;
+    if (shut_down()) return false;
+    if (session->ending()) {  // closed in the interrupted callback
+      refuse(conn, RefusalCause::SETUP_FAILED, "the session ended");
+      return false;
+    }
   }
   adopt(session, conn);
   session->awaiting_go = true;
@@ -331,7 +338,9 @@ bool Backend::session_request(const std::shared_ptr<Connection>& conn,
         session_frame(id, session->acks.delivered, 0, detail::SESSION_RESUME));
     session->flush_pending = true;
   }
-  flush(session, std::chrono::steady_clock::now() + FLUSH_BUDGET);
+  // Written from the loop's next round: a write that fails then interrupts the session again
+  // (this call is inside the carrier's read).
+  request_flush(session);
   close(conn, "its connection carries a resumed session", CloseCause::LOCAL, false);
   return false;  // the session's connection reads what follows
 }
@@ -406,12 +415,15 @@ void Backend::carry_on(const std::shared_ptr<Connection>& conn, std::span<const 
   {
     // With the sends' lock: a send from another thread lands after what is sent again.
     const std::lock_guard lock{conn->mutex};
+    conn->ledger.send_again_from(peer_count);
     conn->queue.append_copy(frame);
     conn->queue.append_refs_from(conn->replay, conn->replay.start_of(peer_count));
     conn->session.down = false;
     conn->flush_pending = true;
   }
-  flush(conn, std::chrono::steady_clock::now() + FLUSH_BUDGET);
+  // Written from the loop's next round, after resumed() was reported: a write that fails
+  // then interrupts the session again, in that order.
+  request_flush(conn);
 }
 
 void Backend::detach_transport(const std::shared_ptr<Connection>& conn) {
