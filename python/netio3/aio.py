@@ -252,33 +252,20 @@ class _Backend:
             if s is not None and not s.exiting:
                 s._refused(remote, reason)
 
-        def on_completed(remote, key):
-            s = ref()
-            if s is not None and not s.exiting:
-                c = s.connections.get(remote)
-                if c is not None:
-                    c._completed(key)
+        def to_connection(method):
+            # A callback that calls `method` of the connection with `remote`, if there is one.
+            def callback(remote, *args):
+                s = ref()
+                if s is not None and not s.exiting:
+                    c = s.connections.get(remote)
+                    if c is not None:
+                        method(c, *args)
+            return callback
 
-        def on_ready(remote):
-            s = ref()
-            if s is not None and not s.exiting:
-                c = s.connections.get(remote)
-                if c is not None:
-                    c._ready()
-
-        def on_interrupted(remote, reason):
-            s = ref()
-            if s is not None and not s.exiting:
-                c = s.connections.get(remote)
-                if c is not None:
-                    c._interrupted(reason)
-
-        def on_resumed(remote, outage):
-            s = ref()
-            if s is not None and not s.exiting:
-                c = s.connections.get(remote)
-                if c is not None:
-                    c._resumed(outage)
+        on_completed = to_connection(Connection._completed)
+        on_ready = to_connection(Connection._ready)
+        on_interrupted = to_connection(Connection._interrupted)
+        on_resumed = to_connection(Connection._resumed)
 
         self._config = _n.NetworkConfig(
             mode=options.mode,

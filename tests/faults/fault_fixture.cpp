@@ -259,6 +259,21 @@ std::optional<std::int64_t> field(std::string_view line, std::string_view key) {
   return to_number(line.substr(at + needle.size()));
 }
 
+std::optional<std::uint16_t> read_port(ChildProcess& peer, Clock::time_point deadline) {
+  std::optional<std::uint64_t> port;
+  peer.read_until(
+      [&](const std::string& out) {
+        port = last_number(out, "PORT ");
+        return port.has_value();
+      },
+      deadline);
+  if (!port || *port > 0xFFFF) {
+    ADD_FAILURE() << "the peer did not say its port\n" << peer.describe();
+    return std::nullopt;
+  }
+  return static_cast<std::uint16_t>(*port);
+}
+
 std::optional<EndPointAddress> connect_peer(Side& side, std::unique_ptr<ChildProcess>& peer,
                                             PeerOptions options, const ConnectionParameters& params,
                                             const std::optional<EndPointAddress>& listen) {
@@ -266,18 +281,9 @@ std::optional<EndPointAddress> connect_peer(Side& side, std::unique_ptr<ChildPro
   const std::size_t before = side.observer.established_count_now();
   if (options.listen) {
     peer = std::make_unique<ChildProcess>(peer_command(options));
-    std::optional<std::uint64_t> port;
-    peer->read_until(
-        [&](const std::string& out) {
-          port = last_number(out, "PORT ");
-          return port.has_value();
-        },
-        deadline);
-    if (!port) {
-      ADD_FAILURE() << "the peer did not say its port\n" << peer->describe();
-      return std::nullopt;
-    }
-    const EndPointAddress remote{*options.listen, static_cast<std::uint16_t>(*port)};
+    const auto port = read_port(*peer, deadline);
+    if (!port) return std::nullopt;
+    const EndPointAddress remote{*options.listen, *port};
     side.backend->open_active_endpoint(remote, params);
     const bool decided = side.observer.wait(
         [&](const Observer& o) { return o.connection(remote) != nullptr || o.refused_count() > 0; },

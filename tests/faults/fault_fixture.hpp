@@ -109,6 +109,11 @@ struct PeerOptions {
 // The value of `key=` in a line.
 [[nodiscard]] std::optional<std::int64_t> field(std::string_view line, std::string_view key);
 
+// The port a listening peer printed ("PORT <port>"), read until `deadline`; nullopt (after an
+// ADD_FAILURE with the peer's output) when it said none.
+[[nodiscard]] std::optional<std::uint16_t> read_port(ChildProcess& peer,
+                                                     Clock::time_point deadline);
+
 // Starts a peer and makes the connection with `side`: the peer listens and `side` connects
 // (options.listen set), or `side` listens at `listen` and the peer connects. Returns how
 // `side` addresses the connection (nullopt after an ADD_FAILURE explaining why).

@@ -76,20 +76,11 @@ class LinkCut : public ::testing::TestWithParam<BackendType> {
     a.timeout = 120s;
     a.peer_timeout = PEER_TIMEOUT;
     receiver = std::make_unique<ChildProcess>(peer_command(a, net->ns_a));
-    std::optional<std::uint64_t> port;
-    receiver->read_until(
-        [&](const std::string& out) {
-          port = last_number(out, "PORT ");
-          return port.has_value();
-        },
-        Clock::now() + WAIT);
-    if (!port) {
-      ADD_FAILURE() << "the receiver did not say its port\n" << receiver->describe();
-      return false;
-    }
+    const auto port = read_port(*receiver, Clock::now() + WAIT);
+    if (!port) return false;
     PeerOptions b = a;
     b.listen.reset();
-    b.connect = EndPointAddress{net->ip_a, static_cast<std::uint16_t>(*port)};
+    b.connect = EndPointAddress{net->ip_a, *port};
     b.send = true;
     b.mode = SendMode::ZERO_COPY;
     b.progress = 0;

@@ -67,18 +67,9 @@ class SessionFaults : public ::testing::Test {
     a.timeout = 150s;
     a.peer_timeout = PEER_TIMEOUT;
     receiver = std::make_unique<ChildProcess>(peer_command(a, net->ns_a));
-    std::optional<std::uint64_t> said;
-    receiver->read_until(
-        [&](const std::string& out) {
-          said = last_number(out, "PORT ");
-          return said.has_value();
-        },
-        Clock::now() + WAIT);
-    if (!said) {
-      ADD_FAILURE() << "the receiver did not say its port\n" << receiver->describe();
-      return false;
-    }
-    receiver_port = static_cast<std::uint16_t>(*said);
+    const auto said = read_port(*receiver, Clock::now() + WAIT);
+    if (!said) return false;
+    receiver_port = *said;
     return true;
   }
 
