@@ -197,12 +197,15 @@ class Session : public ::testing::Test {
         << server->received.size() << " of " << count << " received";
     ASSERT_TRUE(client->wait_for([&] { return client->completed.size() >= count; }))
         << client->completed.size() << " of " << count << " completed";
-    const std::lock_guard lock{server->mutex};
-    ASSERT_EQ(server->received.size(), count);
-    for (std::uint64_t i = 0; i < count; ++i) {
-      ASSERT_EQ(server->received[i], i) << "message " << i << " out of order or twice";
+    // One side's lock at a time (the tests take them in no fixed order).
+    {
+      const std::lock_guard lock{server->mutex};
+      ASSERT_EQ(server->received.size(), count);
+      for (std::uint64_t i = 0; i < count; ++i) {
+        ASSERT_EQ(server->received[i], i) << "message " << i << " out of order or twice";
+      }
+      EXPECT_EQ(server->corrupt, 0);
     }
-    EXPECT_EQ(server->corrupt, 0);
     const std::lock_guard client_lock{client->mutex};
     EXPECT_EQ(client->completed_twice, 0);
     EXPECT_EQ(client->closed, 0) << client->close_reason.message;
@@ -388,10 +391,12 @@ TEST_F(Session, BothDirectionsAreResumedExactlyOnce) {
   ASSERT_TRUE(client->wait_for([&] { return client->received.size() >= COUNT; }));
   ASSERT_TRUE(server->wait_for([&] { return server->completed.size() >= COUNT; }));
   back.join();
-  const std::lock_guard lock{client->mutex};
-  ASSERT_EQ(client->received.size(), COUNT);
-  for (std::uint64_t i = 0; i < COUNT; ++i) ASSERT_EQ(client->received[i], i);
-  EXPECT_EQ(client->corrupt, 0);
+  {
+    const std::lock_guard lock{client->mutex};
+    ASSERT_EQ(client->received.size(), COUNT);
+    for (std::uint64_t i = 0; i < COUNT; ++i) ASSERT_EQ(client->received[i], i);
+    EXPECT_EQ(client->corrupt, 0);
+  }
   const std::lock_guard server_lock{server->mutex};
   EXPECT_EQ(server->completed_twice, 0);
   EXPECT_EQ(server->closed, 0);
