@@ -138,26 +138,6 @@ struct ConnectionBase : std::enable_shared_from_this<ConnectionBase> {
   // connection becomes one at its client's SESSION frame, before it is established).
   std::atomic<bool> acknowledged_sends{false};
 
-  // Sessions (DeliveryParameters::Session; docs/sessions.md). A session connection whose
-  // transport breaks is interrupted, not closed: `down` (written under `mutex`) until a new
-  // transport connection carries it again. The active side makes those (carriers: connections
-  // of the transport that the application never sees, `resumes` naming the session they would
-  // resume); the passive side waits. Loop thread only, but for `down`.
-  using SessionId = std::array<std::uint8_t, 16>;
-  struct Session {
-    bool enabled{false};
-    bool down{false};       // interrupted: no transport connection (under `mutex`)
-    bool giving_up{false};  // its next close is final (not an interruption)
-    SessionId id{};
-    std::chrono::milliseconds give_up{};
-    std::chrono::steady_clock::time_point down_since{};
-    int attempts{0};
-    std::string reason;  // why it was interrupted (and the last attempt's failure)
-    EventTimerHandle retry_timer;
-    EventTimerHandle give_up_timer;
-    std::shared_ptr<ConnectionBase> carrier;  // the attempt in progress (active side)
-    std::weak_ptr<ConnectionBase> resumes;    // a carrier: the connection it would resume
-  } session;
 
   // Guards what follows (and the backend's own per-connection state).
   mutable OptionalMutex mutex;
@@ -200,6 +180,28 @@ struct ConnectionBase : std::enable_shared_from_this<ConnectionBase> {
     bool was_open{false};
     bool report{true};  // false: replaced under its address, the application never hears
   } ending_info;
+
+  // Sessions (DeliveryParameters::Session; docs/sessions.md; last: the members above are
+  // the send path's, kept together). A session connection whose
+  // transport breaks is interrupted, not closed: `down` (written under `mutex`) until a new
+  // transport connection carries it again. The active side makes those (carriers: connections
+  // of the transport that the application never sees, `resumes` naming the session they would
+  // resume); the passive side waits. Loop thread only, but for `down`.
+  using SessionId = std::array<std::uint8_t, 16>;
+  struct Session {
+    bool enabled{false};
+    bool down{false};       // interrupted: no transport connection (under `mutex`)
+    bool giving_up{false};  // its next close is final (not an interruption)
+    SessionId id{};
+    std::chrono::milliseconds give_up{};
+    std::chrono::steady_clock::time_point down_since{};
+    int attempts{0};
+    std::string reason;  // why it was interrupted (and the last attempt's failure)
+    EventTimerHandle retry_timer;
+    EventTimerHandle give_up_timer;
+    std::shared_ptr<ConnectionBase> carrier;  // the attempt in progress (active side)
+    std::weak_ptr<ConnectionBase> resumes;    // a carrier: the connection it would resume
+  } session;
 };
 
 // A connection the server refused because it has one from the same source address and port
