@@ -351,6 +351,11 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
   // port of its own, stream options set). Returns the errno of a connect that failed at once,
   // or 0; throws std::runtime_error with the failing step.
   [[nodiscard]] int start_connect(tcp::socket& socket, const EndPointAddress& remote) const;
+  // start_connect for a connection made again (a new source port, a session's resume): "" when
+  // it started, else why not.
+  [[nodiscard]] std::string connect_again(tcp::socket& socket, const EndPointAddress& remote) const;
+  // The per-socket state of a connection that got a new socket.
+  static void reset_stream_state(Connection& conn) noexcept;
 
   // The server refused `conn` because it has a connection from its source address and port:
   // opens it again from a new one (at most SOURCE_PORT_RETRIES times). False when it may not

@@ -104,18 +104,28 @@ int Backend::start_connect(tcp::socket& socket, const EndPointAddress& remote) c
   return started.error;
 }
 
+std::string Backend::connect_again(tcp::socket& socket, const EndPointAddress& remote) const {
+  try {
+    if (const int err = start_connect(socket, remote); err != 0) {
+      return "connect failed: " + detail::errno_text(err);
+    }
+  } catch (const std::runtime_error& e) {
+    return e.what();
+  }
+  return {};
+}
+
+void Backend::reset_stream_state(Connection& conn) noexcept {
+  conn.epollout = false;
+  conn.large_messages = false;
+  conn.wake_threshold = 1;  // a new socket
+  conn.queued_at_tick = 0;
+}
+
 bool Backend::reconnect_from_new_source_port(const std::shared_ptr<Connection>& conn) {
   if (!detail::retry_from_new_source_port(*conn, NAME)) return false;
   tcp::socket fresh{*m_io};
-  std::string why;
-  try {
-    if (const int err = start_connect(fresh, conn->remote); err != 0) {
-      why = "connect failed: " + detail::errno_text(err);
-    }
-  } catch (const std::runtime_error& e) {
-    why = e.what();
-  }
-  if (!why.empty()) {
+  if (const std::string why = connect_again(fresh, conn->remote); !why.empty()) {
     NETIO3_WARN("asyncmsg: connecting again to {}: {}", conn->remote, why);
     return false;
   }
@@ -130,10 +140,7 @@ bool Backend::reconnect_from_new_source_port(const std::shared_ptr<Connection>& 
   conn->socket = std::move(fresh);
   conn->decoder.reset();
   conn->decoder.set_max_message_size(detail::MAX_ADMISSION_FRAME);
-  conn->epollout = false;
-  conn->large_messages = false;
-  conn->wake_threshold = 1;  // a new socket
-  conn->queued_at_tick = 0;
+  reset_stream_state(*conn);
   const std::lock_guard lock{conn->mutex};
   conn->fd = m_loop->add_fd(conn->socket.native_handle(), EPOLLOUT, socket_callback(conn));
   return true;
@@ -291,14 +298,11 @@ bool Backend::session_request(const std::shared_ptr<Connection>& conn,
     if (flags != 0 || give_up_ms == 0 || m_sessions.contains(key)) {
       return setup_protocol_error(conn, "a SESSION frame that opens no valid new session");
     }
-    {
-      const std::lock_guard lock{conn->mutex};  // a send may look at it from another thread
-      conn->session.enabled = true;
-    }
     conn->session.id = id;
     conn->session.give_up = std::chrono::milliseconds{give_up_ms};
     {
-      const std::lock_guard lock{conn->mutex};
+      const std::lock_guard lock{conn->mutex};  // a send may look at them from another thread
+      conn->session.enabled = true;
       conn->ledger.expect_acknowledgements();
       conn->ledger.expect_transport_first();
     }
@@ -397,10 +401,7 @@ void Backend::adopt(const std::shared_ptr<Connection>& conn,
   conn->peer_takes_heartbeats = carrier->peer_takes_heartbeats;
   conn->peer_says_goodbye = carrier->peer_says_goodbye;
   conn->goodbye_received = false;
-  conn->epollout = false;
-  conn->large_messages = false;
-  conn->wake_threshold = 1;
-  conn->queued_at_tick = 0;
+  reset_stream_state(*conn);
   // What this side acknowledged is told by the resume's set-up.
   conn->acks.acked = conn->acks.delivered;
   conn->acks.bytes_unacked = 0;
@@ -447,17 +448,9 @@ std::shared_ptr<detail::ConnectionBase> Backend::resume_transport(
                                               conn->params, 0, Phase::CONNECTING);
   carrier->session.resumes = conn;
   carrier->session.id = conn->session.id;
-  std::string why;
-  try {
-    if (const int err = start_connect(carrier->socket, conn->remote); err != 0) {
-      why = "connect failed: " + detail::errno_text(err);
-    }
-  } catch (const std::runtime_error& e) {
-    why = e.what();
-  }
-  if (!why.empty()) {
+  if (std::string why = connect_again(carrier->socket, conn->remote); !why.empty()) {
     NETIO3_DEBUG("asyncmsg: resuming the connection with {}: {}", conn->remote, why);
-    conn->session.reason = why;
+    conn->session.reason = std::move(why);
     return nullptr;
   }
   {
