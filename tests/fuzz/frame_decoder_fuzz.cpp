@@ -284,10 +284,13 @@ Expected reference(std::span<const std::uint8_t> s, std::size_t limit, std::size
     if (s.size() - pos < FRAME_HEADER_SIZE) return finish_ok(true);
     const std::uint8_t* h = s.data() + pos;
     const std::size_t length = le32(h);
-    // Frame types of asyncmsg 1.5: DATA, HEARTBEAT, the admission frames CHALLENGE (3),
-    // PROOF (4) and REFUSAL (5), GOODBYE (6) and ACK (7) - the decoder takes them all; which
-    // ones a connection accepts when is the backend's business (docs/asyncmsg.md).
-    if (h[4] < FRAME_DATA || h[4] > 7 || h[5] != 0 || h[6] != 0 || h[7] != 0 || length > limit) {
+    // The frame types of the protocol (asyncmsg 1.6: DATA, HEARTBEAT, the admission frames
+    // CHALLENGE, PROOF and REFUSAL, GOODBYE, ACK and SESSION) - the decoder takes them all;
+    // which ones a connection accepts when is the backend's business (docs/asyncmsg.md). Read
+    // from the protocol's table, so that a new frame type does not make this model stale.
+    const bool known_type =
+        h[4] < 32 && ((netio3::detail::ASYNCMSG_PROTOCOL.frame_types >> h[4]) & 1U) != 0;
+    if (!known_type || h[5] != 0 || h[6] != 0 || h[7] != 0 || length > limit) {
       e.status = Status::ERROR;
       e.end = pos + FRAME_HEADER_SIZE;
       return e;
