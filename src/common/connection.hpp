@@ -138,7 +138,6 @@ struct ConnectionBase : std::enable_shared_from_this<ConnectionBase> {
   // connection becomes one at its client's SESSION frame, before it is established).
   std::atomic<bool> acknowledged_sends{false};
 
-
   // Guards what follows (and the backend's own per-connection state).
   mutable OptionalMutex mutex;
   // Written on the loop thread only (under `mutex`): the loop reads it without the lock.

@@ -30,7 +30,11 @@
 //    handed to on_data_cb, sent once per loop round through the transport's send_ack;
 //  - loop-thread assertions (debug builds) and the destruction flag.
 //
-// What the transport implements is the concept TransportOf below.
+// What the transport implements is the concept TransportOf (common/engine_transport.hpp).
+// This file declares the engine and defines its lifecycle (API calls, set-up, dispatch guard,
+// closing, destruction); the members of one concern each are defined in engine_delivery.hpp
+// (acknowledgement, replay window, drain), engine_ready.hpp (ready-to-send episodes),
+// engine_sessions.hpp (sessions) and engine_statistics.hpp, included at the end.
 
 #include <algorithm>
 #include <atomic>
@@ -63,6 +67,7 @@
 #include "common/connection.hpp"
 #include "common/endpoint_registry.hpp"
 #include "common/endpoint_rules.hpp"
+#include "common/engine_transport.hpp"
 #include "common/liveness.hpp"
 #include "common/log.hpp"
 #include "common/notifier.hpp"
@@ -71,56 +76,6 @@
 #include "common/thread_model.hpp"
 
 namespace netio3::detail {
-
-// The transport's half of a backend (Derived, for connections Conn and listeners L):
-//  - close_transport(conn): the connection is CLOSING (conn->ending_info says why); begin
-//    closing the transport's side of it - gracefully for a local or peer close of an open
-//    connection. Calls no user callback.
-//  - quiescent(conn): nothing the transport still holds of the connection has to end before
-//    its end is reported (sends whose completion is still to come, and the like).
-//  - abandon(conn): drop it without callbacks (the backend is being destroyed).
-//  - close_listener(listener): stop accepting on it (close_listen_endpoint).
-//  - post_buffer(conn, buffer): send_buffer after the engine's checks; the buffer is
-//    claimed, and handed back to its pool by the engine unless OK is returned.
-//  - post_data(conn, header, iov, payload, pending): send_data (Payload::REFERENCE: the
-//    payload is sent from where it lies until the send completes) or send_data_copy
-//    (Payload::COPY: it is copied before the call returns), after the engine's checks. A
-//    transport whose connections have a registered region (Conn::region) gets only payloads
-//    inside it; one that cannot copy declares static NO_COPY_SENDS (why, for NotSupported).
-//  - send_heartbeat(conn): the connection is open and its peer takes heartbeats: send one
-//    (dropped when the transport has no room for it now; the next comes one period later).
-//    It may close the connection (the send failed), which may run the closed callback.
-//  - send_ack(conn, count): the connection is open (or, for the last one, being closed by
-//    the application) and its peer wants its sends acknowledged: tell it that `count` of
-//    its messages were handed to on_data_cb. False when the transport has no room for it
-//    now (it is sent again next round); never lost once accepted (a peer's sends would
-//    wait for it); before the connection's goodbye. It may close the connection as
-//    send_heartbeat does.
-// and may implement
-//  - after_closed(conn): the connection is CLOSED (its end is about to be reported): free
-//    what the transport kept for it. No callback.
-//  - receiving(conn) -> bool: false while the transport does not read the connection, or
-//    holds bytes from the peer it has not read yet that grew since the last tick (the
-//    peer's silence is not judged then). Always true if absent.
-// How send_data's and send_data_copy's payload is handed to the transport.
-enum class Payload : std::uint8_t { REFERENCE, COPY };
-
-template <typename T, typename Conn, typename L>
-concept TransportOf = requires(T& t, const std::shared_ptr<Conn>& conn, Conn& c,
-                               NetworkBuffer* buffer) {
-  { t.close_transport(conn) } -> std::same_as<void>;
-  { std::as_const(t).quiescent(std::as_const(c)) } -> std::same_as<bool>;
-  { T::abandon(c) }
-  noexcept;
-  { t.close_listener(std::shared_ptr<L>{}) } -> std::same_as<void>;
-  { t.post_buffer(conn, buffer) } -> std::same_as<NetioStatus>;
-  { t.send_heartbeat(conn) } -> std::same_as<void>;
-  { t.send_ack(conn, std::uint64_t{}) } -> std::same_as<bool>;
-  {
-    t.post_data(conn, std::span<const std::uint8_t>{}, std::span<const iovec>{}, Payload::COPY,
-                PendingSend{})
-    } -> std::same_as<NetioStatus>;
-};
 
 template <typename Derived, std::derived_from<ConnectionBase> Conn, RegisteredListener Listener>
 class ConnectionEngine {
@@ -263,72 +218,11 @@ class ConnectionEngine {
   // Read under the connections' locks; with ThreadSafetyModel::UNSAFE those are off, and a
   // call from another thread is run on the loop, between two of its events.
 
-  [[nodiscard]] ConnectionStatistics statistics(const EndPointAddress& address) {
-    if (!m_thread.safe() && !m_loop->in_loop_thread()) {
-      return on_loop([&] { return statistics(address); });
-    }
-    std::shared_ptr<Conn> conn;
-    {
-      const auto held = m_registry.lock();
-      conn = m_registry.find(held, address);
-    }
-    if (!conn) {
-      check_address(address, "statistics");
-      throw UnknownActiveEndpoint(
-          fmt::format("{}: statistics: no connection with {}", m_name, address));
-    }
-    return snapshot(*conn);
-  }
+  [[nodiscard]] ConnectionStatistics statistics(const EndPointAddress& address);
 
-  [[nodiscard]] std::vector<ConnectionStatistics> connection_statistics() {
-    if (!m_thread.safe() && !m_loop->in_loop_thread()) {
-      return on_loop([&] { return connection_statistics(); });
-    }
-    std::vector<std::shared_ptr<Conn>> all;
-    {
-      const auto held = m_registry.lock();
-      all = m_registry.connections(held);
-    }
-    std::vector<ConnectionStatistics> out;
-    out.reserve(all.size());
-    for (const auto& conn : all) out.push_back(snapshot(*conn));
-    return out;
-  }
+  [[nodiscard]] std::vector<ConnectionStatistics> connection_statistics();
 
-  [[nodiscard]] BackendStatistics backend_statistics() {
-    if (!m_thread.safe() && !m_loop->in_loop_thread()) {
-      return on_loop([&] { return backend_statistics(); });
-    }
-    std::vector<std::shared_ptr<Conn>> all;
-    {
-      const auto held = m_registry.lock();
-      all = m_registry.connections(held);
-    }
-    BackendStatistics total;
-    {
-      // Closing connections, then those that ended: a connection is in m_ending before it
-      // leaves the registry, and its counts are in m_ended before it leaves m_ending, so
-      // none is missed; one seen twice is counted once (by id).
-      const std::lock_guard lock{m_ending_mutex};
-      for (const auto& entry : m_ending) {
-        const auto id = entry.first;  // not a structured binding: clang 14 cannot capture one
-        if (std::ranges::none_of(all, [id](const auto& c) { return c->id == id; })) {
-          all.push_back(entry.second);
-        }
-      }
-      total = m_ended;
-    }
-    for (const auto& conn : all) {
-      const auto s = snapshot(*conn);
-      if (s.open) {
-        ++total.connections_open;
-      } else if (conn->setting_up()) {
-        ++total.connections_set_up;
-      }
-      add_counts(total, s);
-    }
-    return total;
-  }
+  [[nodiscard]] BackendStatistics backend_statistics();
 
  protected:
   // An API call in progress: checks the caller against the thread model and, on the loop
@@ -510,29 +404,7 @@ class ConnectionEngine {
   // (cumulative): the sends that ends complete. False when the caller must not go on (the
   // connection closed: the count broke the protocol, or a callback closed it; the backend
   // is being destroyed). Loop thread.
-  bool acknowledgement(const std::shared_ptr<Conn>& conn, std::uint64_t count) {
-    std::vector<PendingSend> done;
-    bool valid = false;
-    SendLedger::Counts counts;
-    {
-      const std::lock_guard lock{conn->mutex};
-      valid = conn->ledger.acknowledge(count, done);
-      counts = conn->ledger.counts();
-      if constexpr (requires { derived().acknowledged(*conn, count); }) {
-        if (valid) derived().acknowledged(*conn, count);
-      }
-    }
-    if (!valid) {
-      return protocol_violation(
-          conn,
-          fmt::format("the peer acknowledged {} messages of {} sent{}", count, counts.accepted,
-                      conn->acknowledged_sends.load() ? "" : " (none were to be acknowledged)"));
-    }
-    for (const auto& send : done) {
-      if (!completed(*conn, send)) return false;
-    }
-    return still_open(*conn);
-  }
+  bool acknowledgement(const std::shared_ptr<Conn>& conn, std::uint64_t count);
 
   // on_send_completed_cb (the buffer of a buffered send is back in its pool); false when the
   // backend is being destroyed.
@@ -557,13 +429,7 @@ class ConnectionEngine {
 
   // Ends `conn`'s ready-to-send episode, if one is on and it is open: on_ready_to_send_cb.
   // False when the backend is being destroyed. Loop thread.
-  bool ready_again(const Conn& conn) {
-    // Not yet open: established() ends it; closing or closed: never.
-    if (!still_open(conn)) return !shut_down();
-    if ((conn.send_waits.exchange(0) & ConnectionBase::WAITING) == 0) return !shut_down();
-    m_notifier.ready_to_send(conn.remote);
-    return !shut_down();
-  }
+  bool ready_again(const Conn& conn);
 
   // ---- closing -------------------------------------------------------------------------
 
@@ -636,164 +502,37 @@ class ConnectionEngine {
   //    nullptr (logged) when it could not start.
 
   // A new session's id (the active side's, at its first connect).
-  static ConnectionBase::SessionId new_session_id() {
-    ConnectionBase::SessionId id{};
-    std::random_device device;
-    for (std::size_t i = 0; i < id.size(); i += 4) {
-      const std::uint32_t word = device();
-      std::memcpy(id.data() + i, &word, 4);
-    }
-    return id;
-  }
+  static ConnectionBase::SessionId new_session_id();
 
   // Whether a close for `cause` interrupts a session connection rather than ending it: the
   // transport broke (an error, a silent peer, an end without goodbye) on an open connection
   // that the application is not closing - also while a close drains (the drain's timeout
   // bounds it).
-  [[nodiscard]] static bool interrupts(const Conn& conn, CloseCause cause) noexcept {
-    return !conn.session.giving_up && conn.session.resumes.expired() && conn.phase == Phase::OPEN &&
-           (cause == CloseCause::ERROR || cause == CloseCause::SILENT) &&
-           !conn.close_requested.load();
-  }
+  [[nodiscard]] static bool interrupts(const Conn& conn, CloseCause cause) noexcept;
 
-  void interrupt(const std::shared_ptr<Conn>& conn, std::string_view reason) {
-    auto& session = conn->session;
-    if (session.down) {
-      // A resume in progress broke (the GO never came): its transport connection goes too;
-      // the client tries again.
-      derived().detach_transport(conn);
-      return;
-    }
-    {
-      const std::lock_guard lock{conn->mutex};
-      session.down = true;
-    }
-    session.down_since = std::chrono::steady_clock::now();
-    session.reason = std::string{reason};
-    session.attempts = 0;
-    conn->acks.ack_due = false;
-    NETIO3_WARN("{}: connection with {} interrupted: {}; {} (for at most {} ms)", m_name,
-                conn->remote, reason,
-                conn->active() ? "reconnecting" : "waiting for the peer to resume it",
-                session.give_up.count());
-    derived().detach_transport(conn);
-    std::weak_ptr<Derived> weak = derived().weak_from_this();
-    std::weak_ptr<Conn> weak_conn = conn;
-    if (!session.give_up_timer) {
-      session.give_up_timer = m_loop->create_timer([weak, weak_conn] {
-        auto self = weak.lock();
-        auto c = weak_conn.lock();
-        if (self && c && !self->shut_down()) self->give_up(c);
-      });
-    }
-    session.give_up_timer.start_once(std::max(session.give_up, std::chrono::milliseconds{1}));
-    if (conn->active()) schedule_attempt(conn);
-    if (m_api_depth > 0) {
-      // Caused by an API call on the loop thread: reported after it has returned.
-      m_loop->post([weak, conn, reason = session.reason] {
-        auto self = weak.lock();
-        if (self && !self->shut_down()) self->m_notifier.interrupted(conn->remote, reason);
-      });
-      return;
-    }
-    m_notifier.interrupted(conn->remote, session.reason);
-  }
+  void interrupt(const std::shared_ptr<Conn>& conn, std::string_view reason);
 
   // Active side: the next attempt after the back-off (first_delay, doubling to max_delay, each
   // with jitter: a delay between half and all of it).
-  void schedule_attempt(const std::shared_ptr<Conn>& conn) {
-    auto& session = conn->session;
-    const auto& p = conn->params.delivery.session;
-    auto delay = p.first_delay;
-    for (int i = 0; i < session.attempts && delay < p.max_delay; ++i) delay *= 2;
-    delay = std::min(delay, p.max_delay);
-    thread_local std::minstd_rand jitter{std::random_device{}()};
-    delay = delay / 2 + std::chrono::milliseconds{std::uniform_int_distribution<std::int64_t>{
-                            0, delay.count() / 2}(jitter)};
-    ++session.attempts;
-    if (!session.retry_timer) {
-      std::weak_ptr<Derived> weak = derived().weak_from_this();
-      std::weak_ptr<Conn> weak_conn = conn;
-      session.retry_timer = m_loop->create_timer([weak, weak_conn] {
-        auto self = weak.lock();
-        auto c = weak_conn.lock();
-        if (!self || !c || self->shut_down() || c->ending() || !c->session.down) return;
-        c->session.carrier = self->resume_transport(c);
-        if (!c->session.carrier && !c->ending()) self->schedule_attempt(c);
-      });
-    }
-    NETIO3_DEBUG("{}: resuming the connection with {}: attempt {} in {} ms", m_name, conn->remote,
-                 session.attempts, delay.count());
-    session.retry_timer.start_once(std::max(delay, std::chrono::milliseconds{1}));
-  }
+  void schedule_attempt(const std::shared_ptr<Conn>& conn);
 
-  std::shared_ptr<ConnectionBase> resume_transport(const std::shared_ptr<Conn>& conn) {
-    return derived().resume_transport(conn);
-  }
+  std::shared_ptr<ConnectionBase> resume_transport(const std::shared_ptr<Conn>& conn);
 
   // A carrier failed before it resumed `target`.
   void carrier_lost(const std::shared_ptr<Conn>& target, const std::shared_ptr<Conn>& carrier,
-                    std::string_view reason) {
-    if (target->session.carrier == carrier) target->session.carrier.reset();
-    if (target->ending() || !target->session.down || shut_down()) return;
-    NETIO3_DEBUG("{}: resuming the connection with {}: attempt {} failed: {}", m_name,
-                 target->remote, target->session.attempts, reason);
-    target->session.reason = std::string{reason};
-    schedule_attempt(target);
-  }
+                    std::string_view reason);
 
   // The session cannot be resumed: the connection ends for good (its closed callback lists
   // what was not acknowledged).
-  void give_up(const std::shared_ptr<Conn>& conn, std::string_view why = {}) {
-    if (conn->ending()) return;
-    conn->session.giving_up = true;
-    const auto reason = why.empty()
-                            ? fmt::format(
-                                  "the session was not resumed within delivery.session.give_up "
-                                  "({} ms; interrupted: {})",
-                                  conn->session.give_up.count(), conn->session.reason)
-                            : std::string{why};
-    NETIO3_WARN("{}: closing connection with {}: {}", m_name, conn->remote, reason);
-    close(conn, reason, CloseCause::ERROR);
-  }
+  void give_up(const std::shared_ptr<Conn>& conn, std::string_view why = {});
 
   // The session's timers and any attempt in progress end with the connection.
-  void end_session(const std::shared_ptr<Conn>& conn) {
-    auto& session = conn->session;
-    session.retry_timer.close();
-    session.give_up_timer.close();
-    if (auto carrier = std::exchange(session.carrier, nullptr)) {
-      carrier->session.resumes.reset();
-      close(std::static_pointer_cast<Conn>(carrier), "the session ended", CloseCause::LOCAL, false);
-    }
-  }
+  void end_session(const std::shared_ptr<Conn>& conn);
 
   // The transport carries the session again (the new transport connection is attached, what
   // the peer had not delivered of this side's sends is being sent again); the peer had
   // handed `peer_delivered` of them to its application. False when the caller must not go on.
-  bool resumed(const std::shared_ptr<Conn>& conn, std::uint64_t peer_delivered) {
-    auto& session = conn->session;
-    {
-      const std::lock_guard lock{conn->mutex};
-      session.down = false;
-    }
-    if (session.give_up_timer) session.give_up_timer.stop();
-    if (session.retry_timer) session.retry_timer.stop();
-    session.carrier.reset();
-    session.attempts = 0;
-    const auto outage = std::chrono::duration_cast<std::chrono::milliseconds>(
-        std::chrono::steady_clock::now() - session.down_since);
-    ++conn->arrivals;
-    if (conn->peer_sends_heartbeats || conn->peer_takes_heartbeats) m_liveness->watch_again(conn);
-    NETIO3_INFO(
-        "{}: connection with {} resumed after {} ms; the peer had delivered {} of its "
-        "messages",
-        m_name, conn->remote, outage.count(), peer_delivered);
-    if (!acknowledgement(conn, peer_delivered)) return false;
-    m_notifier.resumed(conn->remote, outage);
-    if (!still_open(*conn)) return false;
-    return ready_again(*conn);
-  }
+  bool resumed(const std::shared_ptr<Conn>& conn, std::uint64_t peer_delivered);
 
   // The peer of an open connection sent what its protocol does not allow: logged, and closed
   // with "protocol error: <what>". Returns false (the caller stops). Loop thread.
@@ -962,133 +701,35 @@ class ConnectionEngine {
 
   // ---- the drain of close_active_endpoint on an acknowledged connection ----------------
 
-  NetioStatus draining_failure(const Conn& conn) const {
-    return send_failed(
-        SendFailureCause::CLOSING,
-        fmt::format("{}: send to {}: the connection is closing (draining)", m_name, conn.remote),
-        false);
-  }
+  NetioStatus draining_failure(const Conn& conn) const;
 
-  [[nodiscard]] static bool drained(const Conn& conn) {
-    const std::lock_guard lock{conn.mutex};
-    return conn.ledger.outstanding() == 0;
-  }
+  [[nodiscard]] static bool drained(const Conn& conn);
 
   // Loop thread: closes `conn` once what it sent is acknowledged, or at the drain timeout.
-  void drain(const std::shared_ptr<Conn>& conn) {
-    assert_loop_thread();
-    if (!conn->draining.load() || conn->ending()) return;
-    if (drained(*conn)) {
-      end_drain(conn, "closed locally");
-      return;
-    }
-    std::weak_ptr<Derived> weak = derived().weak_from_this();
-    std::weak_ptr<Conn> weak_conn = conn;
-    conn->drain_timer = m_loop->create_timer([weak, weak_conn] {
-      auto self = weak.lock();
-      auto c = weak_conn.lock();
-      if (!self || !c || self->shut_down()) return;
-      std::size_t left = 0;
-      {
-        const std::lock_guard lock{c->mutex};
-        left = c->ledger.outstanding();
-      }
-      self->end_drain(c, fmt::format("closed locally; {} send(s) not acknowledged within "
-                                     "delivery.drain_timeout ({} ms)",
-                                     left, c->params.delivery.drain_timeout.count()));
-    });
-    conn->drain_timer.start_once(
-        std::max(conn->params.delivery.drain_timeout, std::chrono::milliseconds{1}));
-  }
+  void drain(const std::shared_ptr<Conn>& conn);
 
   // A completion on a draining connection: once the batch it came in was reported, see whether
   // that was the last.
-  void post_drain_check(const Conn& conn) {
-    std::weak_ptr<Derived> weak = derived().weak_from_this();
-    m_loop->post([weak, c = owner(conn)] {
-      auto self = weak.lock();
-      if (self && !self->shut_down() && c->draining.load() && !c->ending() && drained(*c)) {
-        self->end_drain(c, "closed locally");
-      }
-    });
-  }
+  void post_drain_check(const Conn& conn);
 
-  void end_drain(const std::shared_ptr<Conn>& conn, std::string_view reason) {
-    if (!conn->draining.exchange(false) || conn->ending()) return;
-    conn->drain_timer.close();
-    {
-      const auto held = m_registry.lock();
-      if (m_registry.find(held, conn->remote) == conn) {
-        (void)m_registry.take_for_close(held, conn->remote);
-      }
-    }
-    close(conn, reason, CloseCause::LOCAL);
-  }
+  void end_drain(const std::shared_ptr<Conn>& conn, std::string_view reason);
 
   // An acknowledged connection holds what it sent until the peer acknowledges it: a send
   // of `bytes` past its replay window is refused (NO_RESOURCES; the acknowledgements'
   // completions end the episode). Any thread. Racing sends may each pass: the window is
   // exceeded by at most one message per sending thread.
-  bool window_full(const Conn& conn, std::uint64_t bytes) const {
-    if (!conn.acknowledged_sends.load(std::memory_order_relaxed)) [[likely]] {
-      return false;
-    }
-    std::uint64_t held = 0;
-    {
-      const std::lock_guard lock{conn.mutex};
-      held = conn.ledger.outstanding_bytes();
-    }
-    return held > 0 && held + bytes > conn.params.delivery.replay_window;
-  }
+  bool window_full(const Conn& conn, std::uint64_t bytes) const;
 
   // A message was handed to on_data_cb on a connection whose peer wants acknowledgements:
   // counted, and an acknowledgement is due at the end of this round of the loop (one per
   // connection per round, carrying the latest count). Loop thread.
-  void delivered_one(const Conn& conn, std::size_t size) {
-    ++conn.acks.delivered;
-    conn.acks.bytes_unacked += size;
-    if (conn.acks.bytes_unacked >= ACK_AT_ONCE_BYTES && still_open(conn)) {
-      // Large messages: the sender's buffers wait for this; no need to wait for the round.
-      (void)send_ack(owner(conn));
-      if (conn.acks.acked == conn.acks.delivered) return;
-    }
-    if (conn.acks.ack_due) return;
-    conn.acks.ack_due = true;
-    if (!m_ack_hook) {
-      std::weak_ptr<Derived> weak = derived().weak_from_this();
-      m_ack_hook = m_loop->add_prepare_hook([weak] {
-        if (auto self = weak.lock()) self->send_due_acks();
-        return true;
-      });
-    }
-    m_acks_due.push_back(owner(conn));
-  }
+  void delivered_one(const Conn& conn, std::size_t size);
 
   // The prepare hook: the acknowledgements due this round.
-  void send_due_acks() {
-    if (m_acks_due.empty() || shut_down()) return;
-    m_acks_sending.swap(m_acks_due);
-    for (const auto& conn : m_acks_sending) {
-      conn->acks.ack_due = false;
-      if (shut_down()) break;
-      // Closing: close() sent what the application was handed, or the peer is gone.
-      if (conn->phase == Phase::OPEN && !send_ack(conn) && conn->phase == Phase::OPEN) {
-        conn->acks.ack_due = true;  // no room in the transport: next round
-        m_acks_due.push_back(conn);
-      }
-    }
-    m_acks_sending.clear();
-  }
+  void send_due_acks();
 
   // False when the transport had no room for it.
-  bool send_ack(const std::shared_ptr<Conn>& conn) {
-    const std::uint64_t count = conn->acks.delivered;
-    if (count == conn->acks.acked) return true;
-    if (!derived().send_ack(conn, count)) return false;
-    conn->acks.acked = std::max(conn->acks.acked, count);
-    conn->acks.bytes_unacked = 0;
-    return true;
-  }
+  bool send_ack(const std::shared_ptr<Conn>& conn);
 
   // Handed over since the last acknowledgement, beyond which one goes at once rather than at
   // the end of the loop's round (a sender of large messages waits on it for its buffers).
@@ -1103,70 +744,19 @@ class ConnectionEngine {
   //    or established(); none if nothing is in flight, so that is ended now;
   //  - WAIT_BUFFER (pool empty): a buffer back in the pool - this connection's completions,
   //    or, for a shared pool, any connection's (the waiter list).
-  void send_refused(const std::shared_ptr<Conn>& conn, ConnectionBase::SendWait cause) {
-    if ((conn->send_waits.fetch_or(cause) & cause) != 0) return;  // waiting on it already
-    bool free_now = false;
-    if (cause == ConnectionBase::WAIT_TRANSPORT) {
-      const std::lock_guard lock{conn->mutex};
-      free_now = conn->phase == Phase::OPEN && conn->ledger.outstanding() == 0;
-    } else {
-      BufferPool* pool = nullptr;
-      bool shared = false;
-      {
-        const std::lock_guard lock{conn->mutex};
-        pool = conn->send_pool;
-        shared = pool != conn->own_send_pool.get();
-      }
-      if (pool == nullptr) return;
-      if (shared) {
-        const std::lock_guard lock{m_buffer_waiters_mutex};
-        m_buffer_waiters.push_back(conn);
-        m_buffer_waiters_exist.store(true);
-      }
-      free_now = pool->free_count() > 0;
-    }
-    if (free_now) post_ready(*conn);
-  }
+  void send_refused(const std::shared_ptr<Conn>& conn, ConnectionBase::SendWait cause);
 
   // ready_again(conn) from the loop, after the event being handled (any thread; at most
   // one on its way per connection). Never at once: a sender that sends from the callback
   // and whose sends complete at once (UCX) would otherwise never leave the transport's
   // completion handling; and the completions of one batch end one episode, not one each.
-  void post_ready(const Conn& conn) {
-    if ((conn.send_waits.fetch_or(ConnectionBase::READY_POSTED) & ConnectionBase::READY_POSTED) !=
-        0) {
-      return;
-    }
-    std::weak_ptr<Derived> weak = derived().weak_from_this();
-    m_loop->post([weak, c = std::static_pointer_cast<const Conn>(conn.shared_from_this())] {
-      if (auto self = weak.lock(); self && !self->shut_down()) (void)self->ready_again(*c);
-    });
-  }
+  void post_ready(const Conn& conn);
 
   // A buffer came back to the shared pool `pool`: ends (posted) the episodes of the
   // connections waiting for one of its buffers. Loop thread.
-  void wake_buffer_waiters(const BufferPool* pool) {
-    std::vector<std::shared_ptr<Conn>> wake;
-    {
-      const std::lock_guard lock{m_buffer_waiters_mutex};
-      std::erase_if(m_buffer_waiters, [&](const std::weak_ptr<Conn>& w) {
-        auto conn = w.lock();
-        if (!conn) return true;
-        if (conn->send_pool != pool) return false;
-        wake.push_back(std::move(conn));
-        return true;
-      });
-      m_buffer_waiters_exist.store(!m_buffer_waiters.empty(), std::memory_order_relaxed);
-    }
-    for (const auto& conn : wake) post_ready(*conn);
-  }
+  void wake_buffer_waiters(const BufferPool* pool);
 
-  void post_buffer_wake(const BufferPool* pool) {
-    std::weak_ptr<Derived> weak = derived().weak_from_this();
-    m_loop->post([weak, pool] {
-      if (auto self = weak.lock(); self && !self->shut_down()) self->wake_buffer_waiters(pool);
-    });
-  }
+  void post_buffer_wake(const BufferPool* pool);
 
   static std::uint64_t total_size(std::span<const std::uint8_t> header,
                                   std::span<const iovec> iov) noexcept {
@@ -1176,48 +766,9 @@ class ConnectionEngine {
   }
 
   // A connection's statistics now (its lock for a moment).
-  ConnectionStatistics snapshot(const Conn& conn) const {
-    ConnectionStatistics s;
-    s.remote = conn.remote;
-    const BufferPool* pool = nullptr;
-    {
-      const std::lock_guard lock{conn.mutex};
-      const auto counts = conn.ledger.counts();
-      s.open = conn.phase == Phase::OPEN && !conn.close_requested.load(std::memory_order_relaxed);
-      if (conn.phase >= Phase::OPEN &&
-          conn.established_at != std::chrono::steady_clock::time_point{}) {
-        s.age = std::chrono::steady_clock::now() - conn.established_at;
-      }
-      s.sends_accepted = counts.accepted;
-      s.sends_completed = counts.completed;
-      s.sends_cancelled = counts.cancelled;
-      s.bytes_sent = counts.bytes_completed;
-      s.keys_in_flight = conn.ledger.outstanding();
-      if constexpr (requires { Derived::queued_bytes(conn); }) {
-        s.bytes_queued = Derived::queued_bytes(conn);
-      }
-      pool = conn.send_pool;
-    }
-    if (pool != nullptr) s.send_buffers_high_water = pool->high_water();
-    s.sends_no_resources = conn.counters.no_resources.load(std::memory_order_relaxed);
-    s.sends_failed = conn.counters.failed.load(std::memory_order_relaxed);
-    s.messages_received = conn.counters.messages_received.load(std::memory_order_relaxed);
-    s.bytes_received = conn.counters.bytes_received.load(std::memory_order_relaxed);
-    return s;
-  }
+  ConnectionStatistics snapshot(const Conn& conn) const;
 
-  static void add_counts(BackendStatistics& total, const ConnectionStatistics& s) noexcept {
-    total.sends_accepted += s.sends_accepted;
-    total.sends_completed += s.sends_completed;
-    total.sends_cancelled += s.sends_cancelled;
-    total.sends_no_resources += s.sends_no_resources;
-    total.sends_failed += s.sends_failed;
-    total.bytes_sent += s.bytes_sent;
-    total.keys_in_flight += s.keys_in_flight;
-    total.bytes_queued += s.bytes_queued;
-    total.messages_received += s.messages_received;
-    total.bytes_received += s.bytes_received;
-  }
+  static void add_counts(BackendStatistics& total, const ConnectionStatistics& s) noexcept;
 
   // Heartbeats to every open connection whose peer takes them, and the end of those whose
   // peer fell silent (common/liveness.hpp). From the liveness timer.
@@ -1299,3 +850,9 @@ class ConnectionEngine {
 };
 
 }  // namespace netio3::detail
+
+// The members defined apart, one concern each.
+#include "common/engine_delivery.hpp"    // IWYU pragma: export
+#include "common/engine_ready.hpp"       // IWYU pragma: export
+#include "common/engine_sessions.hpp"    // IWYU pragma: export
+#include "common/engine_statistics.hpp"  // IWYU pragma: export

@@ -1,0 +1,188 @@
+#pragma once
+
+// The connection engine's sessions (DeliveryParameters::Session; docs/sessions.md): an
+// interrupted connection kept for a resume, the back-off of the connecting side's attempts, the
+// give-up deadline, and the resumption.
+// Definitions of ConnectionEngine members (common/connection_engine.hpp, which includes this
+// file at its end; including this file first works as well).
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <string>
+#include <string_view>
+
+#include <fmt/format.h>
+
+#include "common/connection_engine.hpp"
+
+namespace netio3::detail {
+
+template <typename Derived, std::derived_from<ConnectionBase> Conn, RegisteredListener Listener>
+inline ConnectionBase::SessionId ConnectionEngine<Derived, Conn, Listener>::new_session_id() {
+  ConnectionBase::SessionId id{};
+  std::random_device device;
+  for (std::size_t i = 0; i < id.size(); i += 4) {
+    const std::uint32_t word = device();
+    std::memcpy(id.data() + i, &word, 4);
+  }
+  return id;
+}
+
+template <typename Derived, std::derived_from<ConnectionBase> Conn, RegisteredListener Listener>
+inline bool ConnectionEngine<Derived, Conn, Listener>::interrupts(const Conn& conn,
+                                                                  CloseCause cause) noexcept {
+  return !conn.session.giving_up && conn.session.resumes.expired() && conn.phase == Phase::OPEN &&
+         (cause == CloseCause::ERROR || cause == CloseCause::SILENT) &&
+         !conn.close_requested.load();
+}
+
+template <typename Derived, std::derived_from<ConnectionBase> Conn, RegisteredListener Listener>
+inline void ConnectionEngine<Derived, Conn, Listener>::interrupt(const std::shared_ptr<Conn>& conn,
+                                                                 std::string_view reason) {
+  auto& session = conn->session;
+  if (session.down) {
+    // A resume in progress broke (the GO never came): its transport connection goes too;
+    // the client tries again.
+    derived().detach_transport(conn);
+    return;
+  }
+  {
+    const std::lock_guard lock{conn->mutex};
+    session.down = true;
+  }
+  session.down_since = std::chrono::steady_clock::now();
+  session.reason = std::string{reason};
+  session.attempts = 0;
+  conn->acks.ack_due = false;
+  NETIO3_WARN("{}: connection with {} interrupted: {}; {} (for at most {} ms)", m_name,
+              conn->remote, reason,
+              conn->active() ? "reconnecting" : "waiting for the peer to resume it",
+              session.give_up.count());
+  derived().detach_transport(conn);
+  std::weak_ptr<Derived> weak = derived().weak_from_this();
+  std::weak_ptr<Conn> weak_conn = conn;
+  if (!session.give_up_timer) {
+    session.give_up_timer = m_loop->create_timer([weak, weak_conn] {
+      auto self = weak.lock();
+      auto c = weak_conn.lock();
+      if (self && c && !self->shut_down()) self->give_up(c);
+    });
+  }
+  session.give_up_timer.start_once(std::max(session.give_up, std::chrono::milliseconds{1}));
+  if (conn->active()) schedule_attempt(conn);
+  if (m_api_depth > 0) {
+    // Caused by an API call on the loop thread: reported after it has returned.
+    m_loop->post([weak, conn, reason = session.reason] {
+      auto self = weak.lock();
+      if (self && !self->shut_down()) self->m_notifier.interrupted(conn->remote, reason);
+    });
+    return;
+  }
+  m_notifier.interrupted(conn->remote, session.reason);
+}
+
+template <typename Derived, std::derived_from<ConnectionBase> Conn, RegisteredListener Listener>
+inline void ConnectionEngine<Derived, Conn, Listener>::schedule_attempt(
+    const std::shared_ptr<Conn>& conn) {
+  auto& session = conn->session;
+  const auto& p = conn->params.delivery.session;
+  auto delay = p.first_delay;
+  for (int i = 0; i < session.attempts && delay < p.max_delay; ++i) delay *= 2;
+  delay = std::min(delay, p.max_delay);
+  thread_local std::minstd_rand jitter{std::random_device{}()};
+  delay = delay / 2 + std::chrono::milliseconds{std::uniform_int_distribution<std::int64_t>{
+                          0, delay.count() / 2}(jitter)};
+  ++session.attempts;
+  if (!session.retry_timer) {
+    std::weak_ptr<Derived> weak = derived().weak_from_this();
+    std::weak_ptr<Conn> weak_conn = conn;
+    session.retry_timer = m_loop->create_timer([weak, weak_conn] {
+      auto self = weak.lock();
+      auto c = weak_conn.lock();
+      if (!self || !c || self->shut_down() || c->ending() || !c->session.down) return;
+      c->session.carrier = self->resume_transport(c);
+      if (!c->session.carrier && !c->ending()) self->schedule_attempt(c);
+    });
+  }
+  NETIO3_DEBUG("{}: resuming the connection with {}: attempt {} in {} ms", m_name, conn->remote,
+               session.attempts, delay.count());
+  session.retry_timer.start_once(std::max(delay, std::chrono::milliseconds{1}));
+}
+
+template <typename Derived, std::derived_from<ConnectionBase> Conn, RegisteredListener Listener>
+inline std::shared_ptr<ConnectionBase> ConnectionEngine<Derived, Conn, Listener>::resume_transport(
+    const std::shared_ptr<Conn>& conn) {
+  return derived().resume_transport(conn);
+}
+
+template <typename Derived, std::derived_from<ConnectionBase> Conn, RegisteredListener Listener>
+inline void ConnectionEngine<Derived, Conn, Listener>::carrier_lost(
+    const std::shared_ptr<Conn>& target, const std::shared_ptr<Conn>& carrier,
+    std::string_view reason) {
+  if (target->session.carrier == carrier) target->session.carrier.reset();
+  if (target->ending() || !target->session.down || shut_down()) return;
+  NETIO3_DEBUG("{}: resuming the connection with {}: attempt {} failed: {}", m_name, target->remote,
+               target->session.attempts, reason);
+  target->session.reason = std::string{reason};
+  schedule_attempt(target);
+}
+
+template <typename Derived, std::derived_from<ConnectionBase> Conn, RegisteredListener Listener>
+inline void ConnectionEngine<Derived, Conn, Listener>::give_up(const std::shared_ptr<Conn>& conn,
+                                                               std::string_view why) {
+  if (conn->ending()) return;
+  conn->session.giving_up = true;
+  const auto reason = why.empty()
+                          ? fmt::format(
+                                "the session was not resumed within delivery.session.give_up "
+                                "({} ms; interrupted: {})",
+                                conn->session.give_up.count(), conn->session.reason)
+                          : std::string{why};
+  NETIO3_WARN("{}: closing connection with {}: {}", m_name, conn->remote, reason);
+  close(conn, reason, CloseCause::ERROR);
+}
+
+template <typename Derived, std::derived_from<ConnectionBase> Conn, RegisteredListener Listener>
+inline void ConnectionEngine<Derived, Conn, Listener>::end_session(
+    const std::shared_ptr<Conn>& conn) {
+  auto& session = conn->session;
+  session.retry_timer.close();
+  session.give_up_timer.close();
+  if (auto carrier = std::exchange(session.carrier, nullptr)) {
+    carrier->session.resumes.reset();
+    close(std::static_pointer_cast<Conn>(carrier), "the session ended", CloseCause::LOCAL, false);
+  }
+}
+
+template <typename Derived, std::derived_from<ConnectionBase> Conn, RegisteredListener Listener>
+inline bool ConnectionEngine<Derived, Conn, Listener>::resumed(const std::shared_ptr<Conn>& conn,
+                                                               std::uint64_t peer_delivered) {
+  auto& session = conn->session;
+  {
+    const std::lock_guard lock{conn->mutex};
+    session.down = false;
+  }
+  if (session.give_up_timer) session.give_up_timer.stop();
+  if (session.retry_timer) session.retry_timer.stop();
+  session.carrier.reset();
+  session.attempts = 0;
+  const auto outage = std::chrono::duration_cast<std::chrono::milliseconds>(
+      std::chrono::steady_clock::now() - session.down_since);
+  ++conn->arrivals;
+  if (conn->peer_sends_heartbeats || conn->peer_takes_heartbeats) m_liveness->watch_again(conn);
+  NETIO3_INFO(
+      "{}: connection with {} resumed after {} ms; the peer had delivered {} of its "
+      "messages",
+      m_name, conn->remote, outage.count(), peer_delivered);
+  if (!acknowledgement(conn, peer_delivered)) return false;
+  m_notifier.resumed(conn->remote, outage);
+  if (!still_open(*conn)) return false;
+  return ready_again(*conn);
+}
+
+}  // namespace netio3::detail
