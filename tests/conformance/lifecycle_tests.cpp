@@ -67,11 +67,12 @@ class Lifecycle : public testing::TestWithParam<ModeParam> {
     });
   }
 
+  // With ModeParam::session, the connection has a session (asyncmsg): everything here holds
+  // for it as well - a session changes what a cut does, not a close.
   void connect(Node& node, const EndPointAddress& to, std::size_t buf_size = BUF_SIZE) {
-    node.call([&] {
-      node.backend->open_active_endpoint(
-          to, sender_params(node.traits, GetParam().mode, region, buf_size));
-    });
+    auto params = sender_params(node.traits, GetParam().mode, region, buf_size);
+    params.delivery.session.enabled = GetParam().session;
+    node.call([&] { node.backend->open_active_endpoint(to, params); });
   }
 
   // One send attempt of message `index` of `size` bytes (no retry; zero-copy sends it from
@@ -714,7 +715,8 @@ TEST_P(Lifecycle, NoCallbackRunsInsideAnApiCallOnTheLoopThread) {
   EXPECT_TRUE(nested.empty()) << fmt::format("{}", fmt::join(nested, "\n"));
 }
 
-INSTANTIATE_TEST_SUITE_P(Conformance, Lifecycle, testing::ValuesIn(mode_params()), mode_param_name);
+INSTANTIATE_TEST_SUITE_P(Conformance, Lifecycle, testing::ValuesIn(mode_params_with_sessions()),
+                         mode_param_name);
 
 }  // namespace
 }  // namespace netio3::conformance

@@ -401,7 +401,25 @@ bool Backend::receiving(const Connection& conn) {
   return !grew;
 }
 
+namespace {
+// Sets a flag for its lifetime.
+class Flag {
+ public:
+  explicit Flag(bool& flag) noexcept : m_flag{flag} { m_flag = true; }
+  ~Flag() { m_flag = false; }
+  Flag(const Flag&) = delete;
+  Flag& operator=(const Flag&) = delete;
+  Flag(Flag&&) = delete;
+  Flag& operator=(Flag&&) = delete;
+
+ private:
+  bool& m_flag;
+};
+}  // namespace
+
 void Backend::read_available(const std::shared_ptr<Connection>& conn) {
+  if (conn->reading) return;  // a write inside one of its callbacks found the peer's end
+  const Flag reading{conn->reading};
   if (!m_scratch) m_scratch = std::make_unique_for_overwrite<std::uint8_t[]>(SCRATCH_SIZE);
   const int fd = conn->socket.native_handle();
   const auto on_greeting_cb = [&](const Greeting& g) { return on_greeting(conn, g); };
@@ -453,6 +471,12 @@ void Backend::read_available(const std::shared_ptr<Connection>& conn) {
     const int err = errno;
     if (err == EAGAIN || err == EWOULDBLOCK) return;
     if (err == EINTR) continue;
+    if (conn->goodbye_received && !conn->decoder.mid_item()) {
+      // The peer said goodbye and then reset (its process closed with bytes of ours unread):
+      // as orderly an end as its FIN.
+      close(conn, "peer closed the connection", CloseCause::PEER);
+      return;
+    }
     NETIO3_WARN("asyncmsg: connection with {}: receive failed: {}", conn->remote,
                 detail::errno_text(err));
     close(conn, fmt::format("receive failed: {}", detail::errno_text(err)), CloseCause::ERROR);
@@ -631,6 +655,13 @@ void Backend::flush(const std::shared_ptr<Connection>& conn,
       if (err == EAGAIN || err == EWOULDBLOCK) {
         set_epollout(*conn, true);
         return;
+      }
+      if ((err == EPIPE || err == ECONNRESET) && !conn->setting_up() && !conn->reading) {
+        // The peer's end. What it sent before it is read first: its messages are delivered,
+        // and its goodbye, if it said one, makes this the orderly close it was (a peer that
+        // closed with bytes of ours unread resets; the write may see that first).
+        read_available(conn);
+        if (shut_down() || conn->ending() || !conn->socket.is_open()) return;
       }
       NETIO3_WARN("asyncmsg: connection with {}: send failed: {}", conn->remote,
                   detail::errno_text(err));

@@ -134,6 +134,7 @@ struct Connection : detail::ConnectionBase {
   bool epollout{false};
   bool receive_paused{false};  // waiting for receive memory: not reading
   bool large_messages{false};  // the last message was read directly: so will the next be
+  bool reading{false};         // inside read_available() (a write from a callback sees it)
   int wake_threshold{1};       // the socket's SO_RCVLOWAT (set_wake_threshold)
   // Liveness while wake_threshold > 1: the bytes the kernel held at the last tick.
   mutable int queued_at_tick{0};
