@@ -20,12 +20,14 @@ struct Target {
   NetworkMode mode;
   // Admission (docs/admission.md): the server and its legitimate clients hold this key.
   std::string_view partition_key{};
+  // The legitimate clients' connections have a session (docs/sessions.md; asyncmsg).
+  bool session{false};
 };
 
 std::string target_name(const ::testing::TestParamInfo<Target>& info) {
-  return fmt::format("{}_{}{}", netio3::to_string(info.param.type),
-                     netio3::to_string(info.param.mode),
-                     info.param.partition_key.empty() ? "" : "_keyed");
+  return fmt::format(
+      "{}_{}{}{}", netio3::to_string(info.param.type), netio3::to_string(info.param.mode),
+      info.param.partition_key.empty() ? "" : "_keyed", info.param.session ? "_session" : "");
 }
 
 class Hostile : public HostileListener, public ::testing::WithParamInterface<Target> {
@@ -33,6 +35,7 @@ class Hostile : public HostileListener, public ::testing::WithParamInterface<Tar
   Hostile() {
     set_target(GetParam().type, GetParam().mode);
     m_partition_key = GetParam().partition_key;
+    m_session = GetParam().session;
   }
 
   [[nodiscard]] bool keyed() const { return !m_partition_key.empty(); }
@@ -262,15 +265,16 @@ TEST_P(Hostile, FloodBeyondTheDescriptorLimit) {
   finish();
 }
 
-INSTANTIATE_TEST_SUITE_P(Listeners, Hostile,
-                         ::testing::Values(Target{BackendType::ASYNCMSG, NetworkMode::TCP},
-                                           Target{BackendType::ASYNCMSG, NetworkMode::TCP,
-                                                  "hostile-suite-partition-key"},
-                                           Target{BackendType::UCX, NetworkMode::TCP},
-                                           Target{BackendType::UCX, NetworkMode::TCP,
-                                                  "hostile-suite-partition-key"},
-                                           Target{BackendType::UCX, NetworkMode::RDMA}),
-                         target_name);
+INSTANTIATE_TEST_SUITE_P(
+    Listeners, Hostile,
+    ::testing::Values(Target{BackendType::ASYNCMSG, NetworkMode::TCP},
+                      Target{BackendType::ASYNCMSG, NetworkMode::TCP,
+                             "hostile-suite-partition-key"},
+                      Target{BackendType::ASYNCMSG, NetworkMode::TCP, "", true},
+                      Target{BackendType::UCX, NetworkMode::TCP},
+                      Target{BackendType::UCX, NetworkMode::TCP, "hostile-suite-partition-key"},
+                      Target{BackendType::UCX, NetworkMode::RDMA}),
+    target_name);
 
 }  // namespace
 }  // namespace netio3::hostile

@@ -516,8 +516,9 @@ class RawPeer {
 
 // ---- the legitimate side ----------------------------------------------------------------
 
-inline ConnectionParameters client_params() {
+inline ConnectionParameters client_params(bool session = false) {
   ConnectionParameters p{};
+  p.delivery.session.enabled = session;
   p.recv_params = {.buf_size = 64 * 1024, .num_buf = 4, .use_shared_receive_buffers = false};
   p.send_buffered_params = {.buf_size = 8 * 1024, .num_buf = 4};
   return p;
@@ -535,8 +536,8 @@ class LegitClient {
  public:
   LegitClient(const std::shared_ptr<netio3::EpollEventLoop>& loop, EndPointAddress server,
               BackendType type = BackendType::ASYNCMSG, NetworkMode mode = NetworkMode::TCP,
-              std::string partition_key = {})
-      : m_server{std::move(server)} {
+              std::string partition_key = {}, bool session = false)
+      : m_server{std::move(server)}, m_session{session} {
     auto config = m_rec.config(netio3::ThreadSafetyModel::SAFE, mode);
     config.partition_key = std::move(partition_key);
     config.on_send_completed_cb = [this](const EndPointAddress&, std::uint64_t key) {
@@ -551,7 +552,7 @@ class LegitClient {
   }
 
   [[nodiscard]] bool connect() {
-    m_backend->open_active_endpoint(m_server, client_params());
+    m_backend->open_active_endpoint(m_server, client_params(m_session));
     return m_rec.wait([&](const Recorder& r) {
       return r.count(Recorder::Kind::ESTABLISHED, m_server) > 0 ||
              r.count(Recorder::Kind::REFUSED, m_server) > 0;
@@ -592,6 +593,7 @@ class LegitClient {
 
  private:
   EndPointAddress m_server;
+  bool m_session;
   Recorder m_rec;
   mutable std::mutex m_mutex;
   std::condition_variable m_cv;
@@ -727,7 +729,8 @@ class HostileListener : public ::testing::Test {
     ASSERT_NE(m_listen.port, 0);
 
     m_checker.expect_stream(LEGIT_STREAM);
-    m_client = std::make_unique<LegitClient>(loop(), m_listen, m_type, m_mode, m_partition_key);
+    m_client =
+        std::make_unique<LegitClient>(loop(), m_listen, m_type, m_mode, m_partition_key, m_session);
     ASSERT_TRUE(m_client->connect()) << m_logs.dump();
     ASSERT_TRUE(m_server_rec.wait(
         [](const Recorder& r) { return r.count(Recorder::Kind::ESTABLISHED) == 1; }));
@@ -828,7 +831,7 @@ class HostileListener : public ::testing::Test {
     {  // the listener keeps working
       const std::uint32_t stream = m_next_stream++;
       m_checker.expect_stream(stream);
-      LegitClient fresh{loop(), m_listen, m_type, m_mode, m_partition_key};
+      LegitClient fresh{loop(), m_listen, m_type, m_mode, m_partition_key, m_session};
       EXPECT_TRUE(fresh.connect()) << "listener no longer accepts" << m_logs.dump();
       for (std::uint32_t seq = 0; seq < 20; ++seq) {
         EXPECT_EQ(fresh.send(stream, seq, PREFIX + seq * 100), NetioStatus::OK);
@@ -859,6 +862,7 @@ class HostileListener : public ::testing::Test {
   NetworkMode m_mode{NetworkMode::TCP};
   // Admission (docs/admission.md): the server and the legitimate clients hold this key.
   std::string m_partition_key;
+  bool m_session{false};  // the legitimate clients' connections have a session (asyncmsg)
   // Declared first: destroyed last, after the backends stopped logging.
   LogCapture m_logs;
   StreamChecker m_checker;
