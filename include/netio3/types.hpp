@@ -356,6 +356,13 @@ struct NetworkLimits {
   /// reliability.md). Peers of older versions get no heartbeats and are watched
   /// only through TCP (keepalive and TCP_USER_TIMEOUT on the sockets netio3 owns).
   std::chrono::milliseconds peer_timeout{std::chrono::seconds{30}};
+  /// Sessions (docs/sessions.md): the interrupted sessions the listening side keeps for their
+  /// clients to resume, over all its listeners (each holds its connection's state, what it had
+  /// not yet seen acknowledged and a timer descriptor). Past it, the oldest interrupted
+  /// session of the client host that holds the most of them is given up (closed, PEER_LOST,
+  /// with the reason): a host that opens sessions and abandons them cannot pin memory without
+  /// bound, nor push out the sessions of other hosts. At least 1.
+  std::size_t max_interrupted_sessions{1024};
 };
 
 /// Everything a backend is created with (Netio3Backend::create). The members up to

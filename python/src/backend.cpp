@@ -274,8 +274,7 @@ Backend::Backend(BackendType type, PyConfig config, std::shared_ptr<Loop> loop)
       with_python(s, [&] {
         const py::object address = s->address_of(remote);
         const py::float_ seconds{to_seconds(outage)};
-        call_guarded("on_connection_resumed_cb", s->resumed.handle(), address.ptr(),
-                     seconds.ptr());
+        call_guarded("on_connection_resumed_cb", s->resumed.handle(), address.ptr(), seconds.ptr());
       });
     };
   }
@@ -608,7 +607,8 @@ of acknowledged sends not yet acknowledged beyond which a send is refused (NO_RE
                             "may be given as a keyword: NetworkLimits(connect_timeout=2).")
       .def(py::init([](const py::object& max_message_size, const py::object& max_unsent_bytes,
                        const py::object& max_receive_memory, const py::object& connect_timeout,
-                       const py::object& close_timeout, const py::object& peer_timeout) {
+                       const py::object& close_timeout, const py::object& peer_timeout,
+                       const py::object& max_interrupted_sessions) {
              NetworkLimits l{};
              if (!max_message_size.is_none())
                l.max_message_size = max_message_size.cast<std::size_t>();
@@ -620,15 +620,20 @@ of acknowledged sends not yet acknowledged beyond which a send is refused (NO_RE
              if (!connect_timeout.is_none()) l.connect_timeout = to_milliseconds(connect_timeout);
              if (!close_timeout.is_none()) l.close_timeout = to_milliseconds(close_timeout);
              if (!peer_timeout.is_none()) l.peer_timeout = to_milliseconds(peer_timeout);
+             if (!max_interrupted_sessions.is_none()) {
+               l.max_interrupted_sessions = max_interrupted_sessions.cast<std::size_t>();
+             }
              return l;
            }),
            py::kw_only(), py::arg("max_message_size") = py::none(),
            py::arg("max_unsent_bytes") = py::none(), py::arg("max_receive_memory") = py::none(),
            py::arg("connect_timeout") = py::none(), py::arg("close_timeout") = py::none(),
-           py::arg("peer_timeout") = py::none())
+           py::arg("peer_timeout") = py::none(), py::arg("max_interrupted_sessions") = py::none())
       .def_readwrite("max_message_size", &NetworkLimits::max_message_size)
       .def_readwrite("max_unsent_bytes", &NetworkLimits::max_unsent_bytes)
       .def_readwrite("max_receive_memory", &NetworkLimits::max_receive_memory)
+      .def_readwrite("max_interrupted_sessions", &NetworkLimits::max_interrupted_sessions,
+                     "Interrupted sessions a listening side keeps (docs/sessions.md).")
       .def_property(
           "connect_timeout", [](const NetworkLimits& l) { return to_seconds(l.connect_timeout); },
           [](NetworkLimits& l, py::handle v) { l.connect_timeout = to_milliseconds(v); },

@@ -504,5 +504,7 @@ def test_network_limits_take_their_members_as_keywords():
     assert limits.peer_timeout == 0.5
     assert limits.max_message_size == 4096
     assert netio3.NetworkLimits().connect_timeout == 10.0  # the C++ default
+    assert netio3.NetworkLimits().max_interrupted_sessions == 1024
+    assert netio3.NetworkLimits(max_interrupted_sessions=8).max_interrupted_sessions == 8
     with pytest.raises(TypeError):
         netio3.NetworkLimits(connect_timeout="soon")

@@ -511,6 +511,8 @@ class ConnectionEngine {
   [[nodiscard]] static bool interrupts(const Conn& conn, CloseCause cause) noexcept;
 
   void interrupt(const std::shared_ptr<Conn>& conn, std::string_view reason);
+  // The listening side keeps at most limits.max_interrupted_sessions interrupted sessions.
+  void keep_interrupted_within_limit();
 
   // Active side: the next attempt after the back-off (first_delay, doubling to max_delay, each
   // with jitter: a delay between half and all of it).

@@ -58,6 +58,9 @@ void check_config(const NetworkConfig& config) {
   if (config.limits.peer_timeout.count() <= 0) {
     throw InvalidConfiguration("limits.peer_timeout must be > 0");
   }
+  if (config.limits.max_interrupted_sessions == 0) {
+    throw InvalidConfiguration("limits.max_interrupted_sessions must be > 0");
+  }
   check_admission_config(config);
   if (config.on_data_cb && config.on_data_from_cb) {
     throw InvalidConfiguration(

@@ -10,11 +10,14 @@
 #include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <exception>
 #include <memory>
 #include <mutex>
 #include <random>
 #include <string>
 #include <string_view>
+#include <unordered_map>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -67,14 +70,27 @@ inline void ConnectionEngine<Derived, Conn, Listener>::interrupt(const std::shar
   std::weak_ptr<Derived> weak = derived().weak_from_this();
   std::weak_ptr<Conn> weak_conn = conn;
   if (!session.give_up_timer) {
-    session.give_up_timer = m_loop->create_timer([weak, weak_conn] {
-      auto self = weak.lock();
-      auto c = weak_conn.lock();
-      if (self && c && !self->shut_down()) self->give_up(c);
-    });
+    try {
+      session.give_up_timer = m_loop->create_timer([weak, weak_conn] {
+        auto self = weak.lock();
+        auto c = weak_conn.lock();
+        if (self && c && !self->shut_down()) self->give_up(c);
+      });
+    } catch (const std::exception& e) {
+      // No descriptor for it (the process is at its limit): a session without its deadline
+      // would wait for ever.
+      give_up(conn, fmt::format("the session could not wait for a resume: {}", e.what()));
+      return;
+    }
   }
   session.give_up_timer.start_once(std::max(session.give_up, std::chrono::milliseconds{1}));
-  if (conn->active()) schedule_attempt(conn);
+  if (conn->active()) {
+    schedule_attempt(conn);
+  } else {
+    keep_interrupted_within_limit();
+  }
+  // Either may have given this one up: then it is closed, not interrupted.
+  if (shut_down() || conn->ending()) return;
   if (m_api_depth > 0) {
     // Caused by an API call on the loop thread: reported after it has returned.
     m_loop->post([weak, conn, reason = session.reason] {
@@ -84,6 +100,32 @@ inline void ConnectionEngine<Derived, Conn, Listener>::interrupt(const std::shar
     return;
   }
   m_notifier.interrupted(conn->remote, session.reason);
+}
+
+template <typename Derived, std::derived_from<ConnectionBase> Conn, RegisteredListener Listener>
+inline void ConnectionEngine<Derived, Conn, Listener>::keep_interrupted_within_limit() {
+  const std::size_t limit = m_config.limits.max_interrupted_sessions;
+  std::vector<std::shared_ptr<Conn>> down;
+  {
+    const auto held = m_registry.lock();
+    for (auto& c : m_registry.connections(held)) {
+      if (!c->active() && c->session.down && !c->ending()) down.push_back(std::move(c));
+    }
+  }
+  while (down.size() > limit && !shut_down()) {
+    std::unordered_map<std::string, std::size_t> per_host;
+    for (const auto& c : down) ++per_host[c->remote.address];
+    const auto victim = std::ranges::min_element(down, [&](const auto& a, const auto& b) {
+      const auto na = per_host[a->remote.address];
+      const auto nb = per_host[b->remote.address];
+      return na != nb ? na > nb : a->session.down_since < b->session.down_since;
+    });
+    const auto conn = *victim;
+    down.erase(victim);
+    give_up(conn, fmt::format("too many interrupted sessions: limits.max_interrupted_sessions "
+                              "({}) reached, and {} held the most of them; this was its oldest",
+                              limit, conn->remote.address));
+  }
 }
 
 template <typename Derived, std::derived_from<ConnectionBase> Conn, RegisteredListener Listener>
@@ -101,13 +143,18 @@ inline void ConnectionEngine<Derived, Conn, Listener>::schedule_attempt(
   if (!session.retry_timer) {
     std::weak_ptr<Derived> weak = derived().weak_from_this();
     std::weak_ptr<Conn> weak_conn = conn;
-    session.retry_timer = m_loop->create_timer([weak, weak_conn] {
-      auto self = weak.lock();
-      auto c = weak_conn.lock();
-      if (!self || !c || self->shut_down() || c->ending() || !c->session.down) return;
-      c->session.carrier = self->resume_transport(c);
-      if (!c->session.carrier && !c->ending()) self->schedule_attempt(c);
-    });
+    try {
+      session.retry_timer = m_loop->create_timer([weak, weak_conn] {
+        auto self = weak.lock();
+        auto c = weak_conn.lock();
+        if (!self || !c || self->shut_down() || c->ending() || !c->session.down) return;
+        c->session.carrier = self->resume_transport(c);
+        if (!c->session.carrier && !c->ending()) self->schedule_attempt(c);
+      });
+    } catch (const std::exception& e) {
+      give_up(conn, fmt::format("the session could not reconnect: {}", e.what()));
+      return;
+    }
   }
   NETIO3_DEBUG("{}: resuming the connection with {}: attempt {} in {} ms", m_name, conn->remote,
                session.attempts, delay.count());

@@ -263,6 +263,10 @@ TEST_P(Api, FactoryRejectsBadConfigurationAndLists) {
   NetworkConfig config{.mode = traits(GetParam().backend).mode, .thread_safety = GetParam().model};
   config.shared_send_buffers = {.use_shared_send_buffers = true, .buf_size = 0, .num_buf = 4};
   EXPECT_THROW((void)Netio3Backend::create(GetParam().backend, config, loop), InvalidConfiguration);
+  NetworkConfig no_interrupted{.mode = config.mode, .thread_safety = config.thread_safety};
+  no_interrupted.limits.max_interrupted_sessions = 0;
+  EXPECT_THROW((void)Netio3Backend::create(GetParam().backend, no_interrupted, loop),
+               InvalidConfiguration);
   EXPECT_THROW((void)Netio3Backend::create(GetParam().backend, {}, nullptr), std::invalid_argument);
   EXPECT_TRUE(Netio3Backend::is_available(GetParam().backend));
   for (const auto type : {BackendType::ASYNCMSG, BackendType::LIBFABRIC, BackendType::UCX}) {

@@ -330,29 +330,34 @@ TEST_F(HostileAsyncmsg, AcknowledgementsGoToPeersThatAskAndForgedOnesCloseTheCon
   finish();
 }
 
+// Sessions (1.6): the SESSION frame (a 16-byte id of `id_byte`, the count, give_up, flags) and
+// the greeting of a client that asks for a session.
+constexpr std::uint8_t FRAME_TYPE_SESSION = 8;
+
+Bytes session_frame(std::uint8_t id_byte, std::uint64_t give_up_ms, std::uint8_t flags,
+                    std::size_t size = 33) {
+  Bytes body(size, 0);
+  if (size == 33) {
+    std::fill_n(body.begin(), 16, id_byte);
+    put_le64(body.data() + 24, give_up_ms);
+    body[32] = flags;
+  }
+  Bytes frame = frame_header(static_cast<std::uint32_t>(size), FRAME_TYPE_SESSION);
+  append(frame, body);
+  return frame;
+}
+
+Bytes session_greeting() {
+  constexpr std::uint32_t FLAG_SESSION = 1U << 4U;
+  return greeting(1, 6, 0xFFFF'FFFFU, GREETING_FLAG_ACKNOWLEDGE | FLAG_SESSION);
+}
+
 // Sessions (1.6): a client whose greeting asks for a session must send a valid SESSION frame
 // before its connection is established; a resume of a session the server does not know is
 // answered UNKNOWN and the connection closed; a session id in use cannot be opened twice.
 // None of them is ever established, and the server serves on.
 TEST_F(HostileAsyncmsg, SessionFramesThatOpenOrResumeNothingAreRefused) {
   ASSERT_NO_FATAL_FAILURE(start());
-  constexpr std::uint32_t FLAG_SESSION = 1U << 4U;
-  constexpr std::uint8_t FRAME_TYPE_SESSION = 8;
-  const auto session_frame = [&](std::uint8_t id_byte, std::uint64_t give_up_ms, std::uint8_t flags,
-                                 std::size_t size = 33) {
-    Bytes body(size, 0);
-    if (size == 33) {
-      std::fill_n(body.begin(), 16, id_byte);
-      put_le64(body.data() + 24, give_up_ms);
-      body[32] = flags;
-    }
-    Bytes frame = frame_header(static_cast<std::uint32_t>(size), FRAME_TYPE_SESSION);
-    append(frame, body);
-    return frame;
-  };
-  const auto session_greeting = [&] {
-    return greeting(1, 6, 0xFFFF'FFFFU, GREETING_FLAG_ACKNOWLEDGE | FLAG_SESSION);
-  };
   {  // a SESSION frame of the wrong size
     RawPeer peer{m_listen};
     Bytes all = session_greeting();
@@ -394,6 +399,66 @@ TEST_F(HostileAsyncmsg, SessionFramesThatOpenOrResumeNothingAreRefused) {
     append(all, session_frame(0x33, 1000, 0));
     ASSERT_TRUE(peer.send_all(all));
     expect_dropped(peer, {"an unexpected SESSION frame"});
+  }
+  finish();
+}
+
+// The listening side keeps at most limits.max_interrupted_sessions interrupted sessions
+// (they hold no descriptor): past it, the oldest of the host holding the most is closed with
+// the reason, so that a host that abandons sessions pushes out its own, not another's.
+TEST_F(HostileAsyncmsg, InterruptedSessionsPastTheLimitCloseTheOldestOfTheHostWithTheMost) {
+  NetworkLimits limits = patient_limits();
+  limits.max_interrupted_sessions = 4;
+  ASSERT_NO_FATAL_FAILURE(start(limits));
+  // Opens a session from `source` (another loopback address is another host), then resets
+  // its connection: the server keeps it, interrupted.
+  std::uint8_t next_id = 0x40;
+  const auto abandon = [&](const char* source) {
+    RawPeer peer;
+    sockaddr_in sa{};
+    sa.sin_family = AF_INET;
+    ::inet_pton(AF_INET, source, &sa.sin_addr);
+    EXPECT_EQ(::bind(peer.fd(), reinterpret_cast<const sockaddr*>(&sa), sizeof sa), 0);  // NOLINT
+    peer.connect_to(m_listen);
+    Bytes all = session_greeting();
+    append(all, session_frame(next_id++, 60'000, 0));
+    EXPECT_TRUE(peer.send_all(all));
+    EXPECT_TRUE(wait_server_event(Recorder::Kind::ESTABLISHED, peer.local()));
+    peer.reset();
+    EXPECT_TRUE(m_logs.wait_line(peer.local(), {"interrupted"})) << m_logs.dump();
+    return peer.local();
+  };
+  const auto closed = [&](const EndPointAddress& a) {
+    return server_events(Recorder::Kind::CLOSED, a);
+  };
+  std::vector<EndPointAddress> other;  // 127.0.0.2
+  std::vector<EndPointAddress> local;  // 127.0.0.1
+  for (int i = 0; i < 3; ++i) other.push_back(abandon("127.0.0.2"));
+  local.push_back(abandon("127.0.0.1"));
+  for (const auto& a : other) EXPECT_EQ(closed(a), 0U) << a << ": within the limit";
+  EXPECT_EQ(closed(local[0]), 0U);
+
+  // A fifth: 127.0.0.2 holds three of them, its oldest goes.
+  local.push_back(abandon("127.0.0.1"));
+  ASSERT_TRUE(wait_server_event(Recorder::Kind::CLOSED, other[0]));
+  const auto reason = server_close_reason(other[0]);
+  ASSERT_TRUE(reason.has_value());
+  EXPECT_EQ(reason->cause, netio3::CloseCause::PEER_LOST);
+  EXPECT_THAT(reason->message, ::testing::HasSubstr("limits.max_interrupted_sessions (4)"));
+  EXPECT_THAT(reason->message, ::testing::HasSubstr("127.0.0.2 held the most"));
+  // Another: now 127.0.0.1 holds three, its oldest goes; 127.0.0.2's keep theirs.
+  local.push_back(abandon("127.0.0.1"));
+  ASSERT_TRUE(wait_server_event(Recorder::Kind::CLOSED, local[0]));
+  EXPECT_THAT(server_close_reason(local[0])->message, ::testing::HasSubstr("127.0.0.1 held"));
+  EXPECT_EQ(closed(other[1]), 0U);
+  EXPECT_EQ(closed(other[2]), 0U);
+  EXPECT_EQ(closed(local[1]), 0U);
+  EXPECT_EQ(closed(local[2]), 0U);
+  // The application may close an interrupted session (each holds its give-up timer's
+  // descriptor until it ends: finish() counts them).
+  for (const auto& a : {other[1], other[2], local[1], local[2]}) {
+    m_server->close_active_endpoint(a);
+    EXPECT_TRUE(wait_server_event(Recorder::Kind::CLOSED, a));
   }
   finish();
 }
