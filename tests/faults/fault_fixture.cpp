@@ -1,5 +1,6 @@
 #include "fault_fixture.hpp"
 
+#include <array>
 #include <atomic>
 #include <charconv>
 #include <cstdlib>
@@ -250,6 +251,18 @@ std::optional<std::string> line_starting(const std::string& text, std::string_vi
     if (line.starts_with(prefix)) return std::string{line};
   }
   return std::nullopt;
+}
+
+bool read_until_both_ended(ChildProcess& receiver, ChildProcess& sender,
+                           Clock::time_point deadline) {
+  const std::array<ChildProcess*, 2> both{&receiver, &sender};
+  return ChildProcess::read_until(
+      both,
+      [&] {
+        return line_starting(sender.out(), "END ").has_value() &&
+               line_starting(receiver.out(), "END ").has_value();
+      },
+      deadline);
 }
 
 std::optional<std::int64_t> field(std::string_view line, std::string_view key) {

@@ -109,6 +109,10 @@ struct PeerOptions {
 // The value of `key=` in a line.
 [[nodiscard]] std::optional<std::int64_t> field(std::string_view line, std::string_view key);
 
+// Reads both peers' output until each printed its "END " line, or `deadline`; whether both did.
+[[nodiscard]] bool read_until_both_ended(ChildProcess& receiver, ChildProcess& sender,
+                                         Clock::time_point deadline);
+
 // The port a listening peer printed ("PORT <port>"), read until `deadline`; nullopt (after an
 // ADD_FAILURE with the peer's output) when it said none.
 [[nodiscard]] std::optional<std::uint16_t> read_port(ChildProcess& peer,

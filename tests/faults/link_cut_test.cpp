@@ -121,14 +121,7 @@ TEST_P(LinkCut, BothSidesReportTheCloseWithinThePeerTimeout) {
     GTEST_SKIP() << "cannot make network namespaces: " << why;
   }
   if (!stream_and_cut()) return;
-  const std::array<ChildProcess*, 2> both{receiver.get(), sender.get()};
-  const bool ended = ChildProcess::read_until(
-      both,
-      [&] {
-        return line_starting(sender->out(), "END ").has_value() &&
-               line_starting(receiver->out(), "END ").has_value();
-      },
-      cut_at + LATEST + 10s);
+  const bool ended = read_until_both_ended(*receiver, *sender, cut_at + LATEST + 10s);
   ASSERT_TRUE(ended) << "not both peers reported the close\n"
                      << receiver->describe() << "\n"
                      << sender->describe();

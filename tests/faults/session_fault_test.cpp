@@ -101,14 +101,7 @@ class SessionFaults : public ::testing::Test {
   // completed; the connection was interrupted and resumed at least `interruptions` times and
   // never closed before the end; neither peer's memory grew past the replay window.
   void expect_everything_once(const Stream& s, int interruptions = 1) {
-    const std::array<ChildProcess*, 2> both{receiver.get(), sender.get()};
-    const bool ended = ChildProcess::read_until(
-        both,
-        [&] {
-          return line_starting(sender->out(), "END ").has_value() &&
-                 line_starting(receiver->out(), "END ").has_value();
-        },
-        Clock::now() + 120s);
+    const bool ended = read_until_both_ended(*receiver, *sender, Clock::now() + 120s);
     ASSERT_TRUE(ended) << receiver->describe() << "\n" << sender->describe();
     EXPECT_EQ(receiver->wait(), 0) << receiver->describe();
     EXPECT_EQ(sender->wait(), 0) << sender->describe();
