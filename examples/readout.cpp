@@ -25,6 +25,7 @@
 #include <exception>
 #include <memory>
 #include <span>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -200,6 +201,17 @@ int main(int argc, char** argv) {
                           reason.message);
                failed = true;
                loop->stop();
+             },
+         // --session 1: a cut is reported, the connection stays; nothing else to do.
+         .on_connection_interrupted_cb =
+             [&](const EndPointAddress& remote, const std::string& reason) {
+               fmt::print("connection to {} interrupted: {}\n", remote, reason);
+               std::fflush(stdout);
+             },
+         .on_connection_resumed_cb =
+             [&](const EndPointAddress& remote, std::chrono::milliseconds outage) {
+               fmt::print("connection to {} resumed after {} ms\n", remote, outage.count());
+               std::fflush(stdout);
              }},
         loop);
     ConnectionParameters params{};

@@ -98,6 +98,9 @@ fresh_debian() {
   mkdir -p "$root/tmp/netio3"
   cp "$dir"/*.deb "$root/tmp/netio3/"
   cp -r tests/package/consumer "$root/tmp/netio3/"
+  mkdir -p "$root/tmp/netio3/guide"
+  cp examples/readout.cpp examples/event_builder.cpp examples/example_support.hpp \
+    tests/package/guide_session.sh "$root/tmp/netio3/guide/"
   cp /etc/resolv.conf "$root/etc/resolv.conf"
   # UCX reads /sys/class/net; netio3-perf reads /proc.
   mount -t proc proc "$root/proc"
@@ -130,12 +133,19 @@ async def main():
         print(f\"python3-netio3: an asyncio round trip on {backend.name.lower()}\")
 asyncio.run(main())"
     fi
-    apt install --no-install-recommends g++ pkg-config cmake make >/dev/null
+    apt install --no-install-recommends g++ pkg-config cmake make iproute2 >/dev/null
     g++ -std=c++20 -o consumer-pc consumer/main.cpp $(pkg-config --cflags --libs netio3)
     ./consumer-pc
     cmake -S consumer -B consumer-cmake >/dev/null
     cmake --build consumer-cmake >/dev/null
-    ./consumer-cmake/consumer'
+    ./consumer-cmake/consumer
+    # The user guide'"'"'s readout and event builder, built against the packages, with sessions
+    # and every connection between them killed mid-stream.
+    for program in readout event_builder; do
+      g++ -std=c++20 -O2 -o guide/example_$program guide/$program.cpp \
+        $(pkg-config --cflags --libs netio3)
+    done
+    guide/guide_session.sh guide'
   umount -R "$root/proc" "$root/sys" "$root/dev"
   rm -rf --one-file-system "$root" "$root.log"
   trap - EXIT
