@@ -141,7 +141,7 @@ struct DeliveryParameters {
     std::chrono::milliseconds first_delay{50};  ///< the first reconnect's delay
     std::chrono::milliseconds max_delay{2000};  ///< the longest delay between attempts
     std::chrono::milliseconds give_up{60000};   ///< the longest outage before a close
-  } session{};
+  } session{};                                  ///< resume after a cut (Session); off by default
 };
 
 /// What a connection (open_active_endpoint) or the connections of a listen endpoint
