@@ -41,11 +41,9 @@
 #include <cassert>
 #include <concepts>
 #include <cstdint>
-#include <cstring>
 #include <memory>
 #include <mutex>
 #include <optional>
-#include <random>
 #include <span>
 #include <string>
 #include <string_view>
