@@ -404,8 +404,9 @@ TEST_F(HostileAsyncmsg, SessionFramesThatOpenOrResumeNothingAreRefused) {
 }
 
 // The listening side keeps at most limits.max_interrupted_sessions interrupted sessions
-// (they hold no descriptor): past it, the oldest of the host holding the most is closed with
-// the reason, so that a host that abandons sessions pushes out its own, not another's.
+// (each holds its state and a timer descriptor): past it, the oldest of the host holding the
+// most is closed with the reason, so that a host that abandons sessions pushes out its own,
+// not another's.
 TEST_F(HostileAsyncmsg, InterruptedSessionsPastTheLimitCloseTheOldestOfTheHostWithTheMost) {
   NetworkLimits limits = patient_limits();
   limits.max_interrupted_sessions = 4;
