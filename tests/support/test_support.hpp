@@ -32,6 +32,12 @@ inline constexpr bool SANITIZED = true;
 #else
 inline constexpr bool SANITIZED = false;
 #endif
+// Built with TSan: its shadow memory is several times what the process touches.
+#if defined(__SANITIZE_THREAD__)
+inline constexpr bool THREAD_SANITIZED = true;
+#else
+inline constexpr bool THREAD_SANITIZED = false;
+#endif
 
 // The local IP address tests listen on and connect to: NETIO3_TEST_ADDRESS, default
 // 127.0.0.1 (on a verbs host, the address of an RDMA-capable interface).
