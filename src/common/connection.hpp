@@ -200,6 +200,9 @@ struct ConnectionBase : std::enable_shared_from_this<ConnectionBase> {
     EventTimerHandle give_up_timer;
     std::shared_ptr<ConnectionBase> carrier;  // the attempt in progress (active side)
     std::weak_ptr<ConnectionBase> resumes;    // a carrier: the connection it would resume
+    // A carrier that only tells the peer that the session ended (its application closed it
+    // while it was interrupted): never reported, one attempt.
+    bool farewell{false};
   } session;
 };
 

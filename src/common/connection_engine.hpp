@@ -445,6 +445,7 @@ class ConnectionEngine {
     }
     if constexpr (requires { Derived::SESSIONS; }) {
       if (conn->session.enabled) [[unlikely]] {
+        if (conn->session.farewell) report = false;
         if (interrupts(*conn, cause)) {
           interrupt(conn, reason);
           return;
@@ -457,6 +458,12 @@ class ConnectionEngine {
           return;
         }
         end_session(conn);
+        // The application closed it while interrupted: the peer, which waits for a resume
+        // until its give_up, is told (best effort: one attempt, within connect_timeout).
+        if (cause == CloseCause::LOCAL && report && conn->session.down && conn->active() &&
+            conn->phase == Phase::OPEN) {
+          derived().say_farewell(conn);
+        }
       }
     }
     // What the application was handed before it closed is acknowledged before the goodbye.
@@ -497,7 +504,9 @@ class ConnectionEngine {
   //    connection (no goodbye, nothing lingers), keep everything sent for a resume;
   //  - resume_transport(conn): active side, an attempt: start a carrier (a new transport
   //    connection set up like any other, session.resumes naming `conn`) and return it, or
-  //    nullptr (logged) when it could not start.
+  //    nullptr (logged) when it could not start;
+  //  - say_farewell(conn): active side, the application closed `conn` while interrupted:
+  //    start a carrier (session.farewell) that tells the peer the session ended.
 
   // A new session's id (the active side's, at its first connect).
   static ConnectionBase::SessionId new_session_id();

@@ -77,8 +77,8 @@ class Liveness {
     std::vector<std::shared_ptr<Conn>> silent;  // nothing arrived for peer_timeout: close
   };
 
-  // One tick: forgets connections no longer open, judges the others. receiving(const Conn&)
-  // -> bool: whether the transport is reading the connection.
+  // One tick: forgets connections no longer open (or interrupted sessions), judges the
+  // others. receiving(const Conn&) -> bool: whether the transport is reading the connection.
   template <typename Receiving>
   Sweep sweep(Receiving&& receiving) {
     const auto now = Clock::now();
@@ -87,7 +87,9 @@ class Liveness {
     Sweep out;
     std::erase_if(m_entries, [&](Entry& entry) {
       auto conn = entry.conn.lock();
-      if (!conn || conn->phase != Phase::OPEN) return true;
+      // An interrupted session has no transport to hear or to beat on (resumed: watched
+      // again).
+      if (!conn || conn->phase != Phase::OPEN || conn->session.down) return true;
       if (conn->arrivals != entry.seen || loop_was_blocked || !conn->peer_sends_heartbeats ||
           !receiving(*conn)) {
         entry.seen = conn->arrivals;

@@ -89,6 +89,9 @@ inline constexpr std::size_t SESSION_BODY_SIZE = 33;
 inline constexpr std::uint8_t SESSION_RESUME = 1;   // client: resume it; server: resumed
 inline constexpr std::uint8_t SESSION_UNKNOWN = 2;  // server: no such session (any more)
 inline constexpr std::uint8_t SESSION_GO = 4;       // client, after a resume: send again
+// Client: its application closed the session while it was interrupted (a connection made
+// only to say so; the server closes the session and answers with END); server: ended.
+inline constexpr std::uint8_t SESSION_END = 8;
 // Lengths travel as 32-bit numbers.
 inline constexpr std::size_t WIRE_MAX_MESSAGE_SIZE = 0xFFFF'FFFFU;
 

@@ -347,6 +347,18 @@ Bytes session_frame(std::uint8_t id_byte, std::uint64_t give_up_ms, std::uint8_t
   return frame;
 }
 
+constexpr std::uint8_t SESSION_RESUME = 1;
+constexpr std::uint8_t SESSION_END = 8;
+
+// The server's SESSION frame after its greeting: its flags, or -1 where none came whole.
+int read_session_answer(RawPeer& peer) {
+  if (!peer.read_exact(GREETING_SIZE).has_value()) return -1;
+  const auto header = peer.read_exact(HEADER_SIZE);
+  if (!header || (*header)[4] != FRAME_TYPE_SESSION || get_le32(header->data()) != 33U) return -1;
+  const auto body = peer.read_exact(33);
+  return body ? (*body)[32] : -1;
+}
+
 Bytes session_greeting() {
   constexpr std::uint32_t FLAG_SESSION = 1U << 4U;
   return greeting(1, 6, 0xFFFF'FFFFU, GREETING_FLAG_ACKNOWLEDGE | FLAG_SESSION);
@@ -400,6 +412,68 @@ TEST_F(HostileAsyncmsg, SessionFramesThatOpenOrResumeNothingAreRefused) {
     ASSERT_TRUE(peer.send_all(all));
     expect_dropped(peer, {"an unexpected SESSION frame"});
   }
+  {  // flags that ask for neither a new session, a resume nor an end
+    RawPeer peer{m_listen};
+    Bytes all = session_greeting();
+    append(all, session_frame(0x34, 1000, SESSION_RESUME | 4));
+    ASSERT_TRUE(peer.send_all(all));
+    expect_dropped(peer, {"a SESSION frame that asks neither a resume nor an end"});
+    EXPECT_EQ(server_events(Recorder::Kind::ESTABLISHED, peer.local()), 0U);
+  }
+  {  // the end of a session nobody opened: answered UNKNOWN, then closed
+    RawPeer peer{m_listen};
+    Bytes all = session_greeting();
+    append(all, session_frame(0x5B, 1000, SESSION_END));
+    ASSERT_TRUE(peer.send_all(all));
+    EXPECT_EQ(read_session_answer(peer), 2) << "not answered UNKNOWN";
+    expect_dropped(peer, {"the connection only ended a session"});
+    EXPECT_EQ(server_events(Recorder::Kind::ESTABLISHED, peer.local()), 0U);
+  }
+  finish();
+}
+
+// The END of a session (its client's application closed it while it was interrupted) ends
+// it only from the host that opened it: from another it is an unknown session, and the
+// session stays; from its own host the session closes (PEER_CLOSED) with the reason.
+TEST_F(HostileAsyncmsg, ASessionEndsOnlyByItsOwnHost) {
+  ASSERT_NO_FATAL_FAILURE(start());
+  const auto from = [&](RawPeer& peer, const char* source) {
+    sockaddr_in sa{};
+    sa.sin_family = AF_INET;
+    ::inet_pton(AF_INET, source, &sa.sin_addr);
+    EXPECT_EQ(::bind(peer.fd(), reinterpret_cast<const sockaddr*>(&sa), sizeof sa), 0);  // NOLINT
+    peer.connect_to(m_listen);
+  };
+  RawPeer owner;
+  from(owner, "127.0.0.1");
+  Bytes open = session_greeting();
+  append(open, session_frame(0x66, 60'000, 0));
+  ASSERT_TRUE(owner.send_all(open));
+  ASSERT_TRUE(wait_server_event(Recorder::Kind::ESTABLISHED, owner.local()));
+  {  // another host with the session's id
+    RawPeer stranger;
+    from(stranger, "127.0.0.2");
+    Bytes all = session_greeting();
+    append(all, session_frame(0x66, 60'000, SESSION_END));
+    ASSERT_TRUE(stranger.send_all(all));
+    EXPECT_EQ(read_session_answer(stranger), 2) << "not answered UNKNOWN";
+    expect_dropped(stranger, {"the connection only ended a session"});
+  }
+  EXPECT_EQ(server_events(Recorder::Kind::CLOSED, owner.local()), 0U);
+  {  // its own host, from another port
+    RawPeer same_host;
+    from(same_host, "127.0.0.1");
+    Bytes all = session_greeting();
+    append(all, session_frame(0x66, 60'000, SESSION_END));
+    ASSERT_TRUE(same_host.send_all(all));
+    EXPECT_EQ(read_session_answer(same_host), SESSION_END) << "not answered END";
+  }
+  ASSERT_TRUE(wait_server_event(Recorder::Kind::CLOSED, owner.local()));
+  const auto reason = server_close_reason(owner.local());
+  ASSERT_TRUE(reason.has_value());
+  EXPECT_EQ(reason->cause, netio3::CloseCause::PEER_CLOSED);
+  EXPECT_THAT(reason->message, ::testing::HasSubstr("closed the session"));
+  owner.close();
   finish();
 }
 

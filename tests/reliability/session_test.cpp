@@ -140,13 +140,18 @@ ConnectionParameters session_params(std::chrono::milliseconds give_up = 30s) {
 class Session : public ::testing::Test {
  protected:
   // A server, the relay in front of it, and a client connected through the relay.
-  void connect(std::chrono::milliseconds give_up = 30s) {
+  // `first_delay`: the client's first resume attempt comes after half to all of it.
+  void connect(std::chrono::milliseconds give_up = 30s,
+               std::chrono::milliseconds first_delay = 20ms) {
     server = std::make_unique<Side>();
     const auto listening = server->backend->open_listen_endpoint({"127.0.0.1", 0}, {});
     relay = std::make_unique<Relay>(listening.port);
     client = std::make_unique<Side>();
     address = EndPointAddress{"127.0.0.1", relay->port()};
-    client->backend->open_active_endpoint(address, session_params(give_up));
+    auto params = session_params(give_up);
+    params.delivery.session.first_delay = first_delay;
+    params.delivery.session.max_delay = std::max(first_delay, params.delivery.session.max_delay);
+    client->backend->open_active_endpoint(address, params);
     ASSERT_TRUE(client->wait_for([&] { return client->established == 1; }));
     ASSERT_TRUE(server->wait_for([&] { return server->established == 1; }));
   }
@@ -364,6 +369,38 @@ TEST_F(Session, AGracefulCloseAfterTheLastSendDeliversEverything) {
   EXPECT_EQ(client->completed.size(), COUNT);
   const std::lock_guard server_lock{server->mutex};
   ASSERT_EQ(server->received.size(), COUNT);
+}
+
+// The client's application closes the session while it is interrupted: the server, which
+// would wait for a resume until give_up, is told (a farewell connection) and ends it at once.
+TEST_F(Session, AClientClosingWhileInterruptedEndsTheServersSessionToo) {
+  connect(60s, 20s);  // the client's first resume attempt only after 10 to 20 s
+  constexpr std::uint64_t COUNT = 1000;
+  start_stream(COUNT, 4096);
+  sender.join();
+  ASSERT_TRUE(server->wait_for([&] { return server->received.size() == COUNT; }));
+  relay->reset();
+  ASSERT_TRUE(client->wait_for([&] { return client->interrupted == 1; }));
+  ASSERT_TRUE(server->wait_for([&] { return server->interrupted == 1; }));
+  client->backend->close_active_endpoint(address);
+  ASSERT_TRUE(client->wait_for([&] { return client->closed == 1; }));
+  // Well before give_up (60 s) and before any resume attempt: the farewell ended it.
+  ASSERT_TRUE(server->wait_for([&] { return server->closed == 1; }, 9s));
+  {
+    const std::lock_guard lock{server->mutex};
+    EXPECT_EQ(server->close_reason.cause, CloseCause::PEER_CLOSED);
+    EXPECT_NE(server->close_reason.message.find("closed the session while it was interrupted"),
+              std::string::npos)
+        << server->close_reason.message;
+    EXPECT_TRUE(server->outages.empty());
+  }
+  // The farewell's connection is the relay's second; the application never hears of it.
+  EXPECT_EQ(relay->accepted(), 2);
+  const std::lock_guard lock{client->mutex};
+  EXPECT_EQ(client->close_reason.cause, CloseCause::LOCAL);
+  EXPECT_EQ(client->established, 1);
+  EXPECT_EQ(client->closed, 1);
+  EXPECT_TRUE(client->outages.empty());
 }
 
 // Both directions stream and are cut: the server's sends are resumed too (from its replay log,

@@ -39,6 +39,7 @@ void Backend::shutdown() noexcept {
   m_prepare.close();
   m_registry.clear_index();
   m_sessions.clear();
+  for (auto& farewell : std::exchange(m_farewells, {})) abandon(*farewell);
   NETIO3_DEBUG("asyncmsg: backend shut down ({} listener(s), {} connection(s) dropped)",
                all.listeners.size(), all.connections.size());
 }

@@ -271,6 +271,11 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
   // ---- sessions (the engine's interrupt and resume; setup.cpp) --------------------------
   void detach_transport(const std::shared_ptr<Connection>& conn);
   std::shared_ptr<detail::ConnectionBase> resume_transport(const std::shared_ptr<Connection>& conn);
+  void say_farewell(const std::shared_ptr<Connection>& conn);
+  // A carrier for `conn`'s session: connecting, tracked by the set-up deadline; nullptr
+  // (the reason in `why`) when the connect could not start.
+  std::shared_ptr<Connection> start_carrier(const std::shared_ptr<Connection>& conn,
+                                            std::string& why);
   // Under the connection's lock: the peer acknowledged `count` messages.
   static void acknowledged(Connection& conn, std::uint64_t count) {
     if (conn.session.enabled) conn.replay.release_below(count);
@@ -475,6 +480,8 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
   PrepareHookHandle m_prepare;
   // Server: the sessions of its connections, by id (loop thread only).
   std::unordered_map<std::string, std::weak_ptr<Connection>> m_sessions;
+  // Client: farewells on their way (say_farewell; loop thread only).
+  std::vector<std::shared_ptr<Connection>> m_farewells;
 };
 
 #pragma GCC visibility pop

@@ -227,10 +227,14 @@ bool Backend::admitted(const std::shared_ptr<Connection>& conn) {
   conn->decoder.set_max_message_size(m_max_message);
   if (conn->session.enabled) {
     // A client with a session: a new one, or (a carrier) the resume of its connection's.
+    // Or a farewell: the application closed the session while it was interrupted.
     const auto target = std::static_pointer_cast<Connection>(conn->session.resumes.lock());
-    const auto frame = session_frame(conn->session.id, target ? target->acks.delivered : 0,
-                                     static_cast<std::uint64_t>(conn->session.give_up.count()),
-                                     target ? detail::SESSION_RESUME : std::uint8_t{0});
+    const std::uint8_t flags = conn->session.farewell ? detail::SESSION_END
+                               : target               ? detail::SESSION_RESUME
+                                                      : std::uint8_t{0};
+    const auto frame =
+        session_frame(conn->session.id, target ? target->acks.delivered : 0,
+                      static_cast<std::uint64_t>(conn->session.give_up.count()), flags);
     conn->awaiting_session = true;
     write_setup(conn, frame);
     return setup_alive(*conn);
@@ -294,6 +298,23 @@ bool Backend::session_request(const std::shared_ptr<Connection>& conn,
   // its replay window) for longer.
   constexpr std::uint64_t MAX_GIVE_UP_MS = 10ULL * 60 * 1000;
   give_up_ms = std::min(give_up_ms, MAX_GIVE_UP_MS);
+  const auto it = m_sessions.find(key);
+  auto session = it != m_sessions.end() ? it->second.lock() : nullptr;
+  const bool known = session && !session->ending() && !session->close_requested.load() &&
+                     session->remote.address == conn->remote.address;
+  if (flags == detail::SESSION_END) {
+    // The client's application closed the session while it was interrupted: it ends here
+    // too, now rather than at give_up (what it had not delivered is the client's to list).
+    refuse_and_linger(*conn, session_frame(id, known ? session->acks.delivered : 0, 0,
+                                           known ? detail::SESSION_END : detail::SESSION_UNKNOWN));
+    refuse(conn, RefusalCause::SETUP_FAILED, "the connection only ended a session");
+    if (known && !shut_down()) {
+      NETIO3_INFO("asyncmsg: {} closed the session of its connection with {}", conn->remote.address,
+                  session->remote);
+      close(session, "the peer closed the session while it was interrupted", CloseCause::PEER);
+    }
+    return false;
+  }
   if ((flags & detail::SESSION_RESUME) == 0) {
     if (flags != 0 || give_up_ms == 0 || m_sessions.contains(key)) {
       return setup_protocol_error(conn, "a SESSION frame that opens no valid new session");
@@ -313,10 +334,10 @@ bool Backend::session_request(const std::shared_ptr<Connection>& conn,
     if (!setup_alive(*conn)) return false;
     return established(conn, capabilities(*conn));
   }
-  const auto it = m_sessions.find(key);
-  auto session = it != m_sessions.end() ? it->second.lock() : nullptr;
-  if (!session || session->ending() || session->close_requested.load() ||
-      session->remote.address != conn->remote.address) {
+  if (flags != detail::SESSION_RESUME) {
+    return setup_protocol_error(conn, "a SESSION frame that asks neither a resume nor an end");
+  }
+  if (!known) {
     NETIO3_WARN("asyncmsg: {} asked to resume a session this process does not know; refused",
                 conn->remote);
     refuse_and_linger(*conn, session_frame(id, 0, 0, detail::SESSION_UNKNOWN));
@@ -354,6 +375,13 @@ bool Backend::session_answer(const std::shared_ptr<Connection>& conn,
                              std::uint8_t flags) {
   if (id != conn->session.id) {
     return setup_protocol_error(conn, "a SESSION frame for another session");
+  }
+  if (conn->session.farewell) {
+    // The peer ended the session (END), or no longer knew it (UNKNOWN): either way done.
+    NETIO3_DEBUG("asyncmsg: {} was told that the session ended ({})", conn->remote,
+                 flags == detail::SESSION_END ? "it ended it" : "it did not know it any more");
+    close(conn, "the peer was told that the session ended", CloseCause::LOCAL, false);
+    return false;
   }
   const auto target = std::static_pointer_cast<Connection>(conn->session.resumes.lock());
   if (!target) {
@@ -442,17 +470,13 @@ void Backend::detach_transport(const std::shared_ptr<Connection>& conn) {
   conn->awaiting_go = false;
 }
 
-std::shared_ptr<detail::ConnectionBase> Backend::resume_transport(
-    const std::shared_ptr<Connection>& conn) {
+std::shared_ptr<Connection> Backend::start_carrier(const std::shared_ptr<Connection>& conn,
+                                                   std::string& why) {
   auto carrier = std::make_shared<Connection>(next_id(), m_io, m_chunks, m_bodies, conn->remote,
                                               conn->params, 0, Phase::CONNECTING);
-  carrier->session.resumes = conn;
   carrier->session.id = conn->session.id;
-  if (std::string why = connect_again(carrier->socket, conn->remote); !why.empty()) {
-    NETIO3_DEBUG("asyncmsg: resuming the connection with {}: {}", conn->remote, why);
-    conn->session.reason = std::move(why);
-    return nullptr;
-  }
+  why = connect_again(carrier->socket, conn->remote);
+  if (!why.empty()) return nullptr;
   {
     const std::lock_guard lock{carrier->mutex};
     carrier->fd =
@@ -460,6 +484,31 @@ std::shared_ptr<detail::ConnectionBase> Backend::resume_transport(
   }
   track_setup(carrier);
   return carrier;
+}
+
+std::shared_ptr<detail::ConnectionBase> Backend::resume_transport(
+    const std::shared_ptr<Connection>& conn) {
+  std::string why;
+  auto carrier = start_carrier(conn, why);
+  if (!carrier) {
+    NETIO3_DEBUG("asyncmsg: resuming the connection with {}: {}", conn->remote, why);
+    conn->session.reason = std::move(why);
+    return nullptr;
+  }
+  carrier->session.resumes = conn;
+  return carrier;
+}
+
+void Backend::say_farewell(const std::shared_ptr<Connection>& conn) {
+  std::erase_if(m_farewells, [](const auto& c) { return c->phase >= Phase::CLOSING; });
+  std::string why;
+  auto carrier = start_carrier(conn, why);
+  if (!carrier) {
+    NETIO3_DEBUG("asyncmsg: cannot tell {} that the session ended: {}", conn->remote, why);
+    return;
+  }
+  carrier->session.farewell = true;
+  m_farewells.push_back(std::move(carrier));
 }
 
 bool Backend::setup_protocol_error(const std::shared_ptr<Connection>& conn, std::string_view what) {
