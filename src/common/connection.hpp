@@ -20,6 +20,7 @@
 #include <netio3/types.hpp>
 
 #include "common/buffer_pool.hpp"
+#include "common/deadlines.hpp"
 #include "common/log.hpp"
 #include "common/send_failure.hpp"
 #include "common/send_ledger.hpp"
@@ -133,7 +134,7 @@ struct ConnectionBase : std::enable_shared_from_this<ConnectionBase> {
   // until they are acknowledged or delivery.drain_timeout passes (ConnectionEngine::drain).
   // Set under the registry's lock by any thread; the timer is the loop thread's.
   std::atomic<bool> draining{false};
-  EventTimerHandle drain_timer;
+  Deadline drain_timer;  // the engine's Deadlines
   // This side's sends are acknowledged (params.delivery asks, or a session: a server's
   // connection becomes one at its client's SESSION frame, before it is established).
   std::atomic<bool> acknowledged_sends{false};
@@ -195,9 +196,9 @@ struct ConnectionBase : std::enable_shared_from_this<ConnectionBase> {
     std::chrono::milliseconds give_up{};
     std::chrono::steady_clock::time_point down_since{};
     int attempts{0};
-    std::string reason;  // why it was interrupted (and the last attempt's failure)
-    EventTimerHandle retry_timer;
-    EventTimerHandle give_up_timer;
+    std::string reason;    // why it was interrupted (and the last attempt's failure)
+    Deadline retry_timer;  // the engine's Deadlines (no descriptor of their own)
+    Deadline give_up_timer;
     std::shared_ptr<ConnectionBase> carrier;  // the attempt in progress (active side)
     std::weak_ptr<ConnectionBase> resumes;    // a carrier: the connection it would resume
     // A carrier that only tells the peer that the session ended (its application closed it

@@ -317,6 +317,7 @@ class ConnectionEngine {
     m_liveness.emplace(*m_loop, m_config.limits.peer_timeout, [weak] {
       if (auto self = weak.lock()) self->liveness_tick();
     });
+    m_deadlines.emplace(*m_loop);
   }
 
   // `conn` must be open within limits.connect_timeout, or it is closed with the reason; returns
@@ -479,7 +480,7 @@ class ConnectionEngine {
       if (previous >= Phase::CLOSING) return;
       conn->phase = Phase::CLOSING;
     }
-    if (conn->draining.exchange(false)) conn->drain_timer.close();
+    if (conn->draining.exchange(false)) conn->drain_timer.cancel();
     conn->ending_info = typename Conn::Ending{.cause = cause,
                                               .reason = std::string{reason},
                                               .was_open = previous == Phase::OPEN,
@@ -638,6 +639,7 @@ class ConnectionEngine {
     if (m_shut_down.exchange(true)) return false;
     if (m_setup) m_setup->close();
     if (m_liveness) m_liveness->close();
+    if (m_deadlines) m_deadlines->close();
     m_ack_hook.close();
     m_acks_due.clear();
     return true;
@@ -841,6 +843,8 @@ class ConnectionEngine {
   std::atomic<std::uint64_t> m_next_id{1};
   std::optional<SetupDeadlines<Conn>> m_setup;  // set in start_engine()
   std::optional<Liveness<Conn>> m_liveness;     // set in start_engine()
+  // Drains' and sessions' deadlines, on one timer descriptor; set in start_engine().
+  std::optional<Deadlines> m_deadlines;
   // Connections owing their peer an acknowledgement this round (delivered_one()), and the
   // hook that sends them (added at the first). Loop thread only.
   PrepareHookHandle m_ack_hook;

@@ -71,7 +71,7 @@ inline void ConnectionEngine<Derived, Conn, Listener>::drain(const std::shared_p
   }
   std::weak_ptr<Derived> weak = derived().weak_from_this();
   std::weak_ptr<Conn> weak_conn = conn;
-  conn->drain_timer = m_loop->create_timer([weak, weak_conn] {
+  m_deadlines->arm(conn->drain_timer, conn->params.delivery.drain_timeout, [weak, weak_conn] {
     auto self = weak.lock();
     auto c = weak_conn.lock();
     if (!self || !c || self->shut_down()) return;
@@ -84,8 +84,6 @@ inline void ConnectionEngine<Derived, Conn, Listener>::drain(const std::shared_p
                                    "delivery.drain_timeout ({} ms)",
                                    left, c->params.delivery.drain_timeout.count()));
   });
-  conn->drain_timer.start_once(
-      std::max(conn->params.delivery.drain_timeout, std::chrono::milliseconds{1}));
 }
 
 template <typename Derived, std::derived_from<ConnectionBase> Conn, RegisteredListener Listener>
@@ -103,7 +101,7 @@ template <typename Derived, std::derived_from<ConnectionBase> Conn, RegisteredLi
 inline void ConnectionEngine<Derived, Conn, Listener>::end_drain(const std::shared_ptr<Conn>& conn,
                                                                  std::string_view reason) {
   if (!conn->draining.exchange(false) || conn->ending()) return;
-  conn->drain_timer.close();
+  conn->drain_timer.cancel();
   {
     const auto held = m_registry.lock();
     if (m_registry.find(held, conn->remote) == conn) {

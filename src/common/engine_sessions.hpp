@@ -69,21 +69,11 @@ inline void ConnectionEngine<Derived, Conn, Listener>::interrupt(const std::shar
   derived().detach_transport(conn);
   std::weak_ptr<Derived> weak = derived().weak_from_this();
   std::weak_ptr<Conn> weak_conn = conn;
-  if (!session.give_up_timer) {
-    try {
-      session.give_up_timer = m_loop->create_timer([weak, weak_conn] {
-        auto self = weak.lock();
-        auto c = weak_conn.lock();
-        if (self && c && !self->shut_down()) self->give_up(c);
-      });
-    } catch (const std::exception& e) {
-      // No descriptor for it (the process is at its limit): a session without its deadline
-      // would wait for ever.
-      give_up(conn, fmt::format("the session could not wait for a resume: {}", e.what()));
-      return;
-    }
-  }
-  session.give_up_timer.start_once(std::max(session.give_up, std::chrono::milliseconds{1}));
+  m_deadlines->arm(session.give_up_timer, session.give_up, [weak, weak_conn] {
+    auto self = weak.lock();
+    auto c = weak_conn.lock();
+    if (self && c && !self->shut_down()) self->give_up(c);
+  });
   if (conn->active()) {
     schedule_attempt(conn);
   } else {
@@ -140,25 +130,17 @@ inline void ConnectionEngine<Derived, Conn, Listener>::schedule_attempt(
   delay = delay / 2 + std::chrono::milliseconds{std::uniform_int_distribution<std::int64_t>{
                           0, delay.count() / 2}(jitter)};
   ++session.attempts;
-  if (!session.retry_timer) {
-    std::weak_ptr<Derived> weak = derived().weak_from_this();
-    std::weak_ptr<Conn> weak_conn = conn;
-    try {
-      session.retry_timer = m_loop->create_timer([weak, weak_conn] {
-        auto self = weak.lock();
-        auto c = weak_conn.lock();
-        if (!self || !c || self->shut_down() || c->ending() || !c->session.down) return;
-        c->session.carrier = self->resume_transport(c);
-        if (!c->session.carrier && !c->ending()) self->schedule_attempt(c);
-      });
-    } catch (const std::exception& e) {
-      give_up(conn, fmt::format("the session could not reconnect: {}", e.what()));
-      return;
-    }
-  }
   NETIO3_DEBUG("{}: resuming the connection with {}: attempt {} in {} ms", m_name, conn->remote,
                session.attempts, delay.count());
-  session.retry_timer.start_once(std::max(delay, std::chrono::milliseconds{1}));
+  std::weak_ptr<Derived> weak = derived().weak_from_this();
+  std::weak_ptr<Conn> weak_conn = conn;
+  m_deadlines->arm(session.retry_timer, delay, [weak, weak_conn] {
+    auto self = weak.lock();
+    auto c = weak_conn.lock();
+    if (!self || !c || self->shut_down() || c->ending() || !c->session.down) return;
+    c->session.carrier = self->resume_transport(c);
+    if (!c->session.carrier && !c->ending()) self->schedule_attempt(c);
+  });
 }
 
 template <typename Derived, std::derived_from<ConnectionBase> Conn, RegisteredListener Listener>
@@ -198,8 +180,8 @@ template <typename Derived, std::derived_from<ConnectionBase> Conn, RegisteredLi
 inline void ConnectionEngine<Derived, Conn, Listener>::end_session(
     const std::shared_ptr<Conn>& conn) {
   auto& session = conn->session;
-  session.retry_timer.close();
-  session.give_up_timer.close();
+  session.retry_timer.cancel();
+  session.give_up_timer.cancel();
   if (auto carrier = std::exchange(session.carrier, nullptr)) {
     carrier->session.resumes.reset();
     close(std::static_pointer_cast<Conn>(carrier), "the session ended", CloseCause::LOCAL, false);
@@ -214,8 +196,8 @@ inline bool ConnectionEngine<Derived, Conn, Listener>::resumed(const std::shared
     const std::lock_guard lock{conn->mutex};
     session.down = false;
   }
-  if (session.give_up_timer) session.give_up_timer.stop();
-  if (session.retry_timer) session.retry_timer.stop();
+  session.give_up_timer.cancel();
+  session.retry_timer.cancel();
   session.carrier.reset();
   session.attempts = 0;
   const auto outage = std::chrono::duration_cast<std::chrono::milliseconds>(
