@@ -379,6 +379,8 @@ TEST_F(Session, AClientClosingWhileInterruptedEndsTheServersSessionToo) {
   start_stream(COUNT, 4096);
   sender.join();
   ASSERT_TRUE(server->wait_for([&] { return server->received.size() == COUNT; }));
+  // Every send acknowledged: the close has nothing to drain (it would wait for a resume).
+  ASSERT_TRUE(client->wait_for([&] { return client->completed.size() == COUNT; }));
   relay->reset();
   ASSERT_TRUE(client->wait_for([&] { return client->interrupted == 1; }));
   ASSERT_TRUE(server->wait_for([&] { return server->interrupted == 1; }));
