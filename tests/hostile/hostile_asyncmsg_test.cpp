@@ -378,20 +378,20 @@ TEST_F(HostileAsyncmsg, SessionFramesThatOpenOrResumeNothingAreRefused) {
     expect_dropped(peer, {"a SESSION frame with 5 bytes of body"});
     EXPECT_EQ(server_events(Recorder::Kind::ESTABLISHED, peer.local()), 0U);
   }
-  {  // the resume of a session nobody opened: answered UNKNOWN, then closed
-    RawPeer peer{m_listen};
+  // A session greeting and a SESSION frame with `id_byte` and `flags`.
+  const auto ask = [&](RawPeer& peer, std::uint8_t id_byte, std::uint8_t flags) {
     Bytes all = session_greeting();
-    append(all, session_frame(0x5A, 1000, 1));
-    ASSERT_TRUE(peer.send_all(all));
-    ASSERT_TRUE(peer.read_exact(GREETING_SIZE).has_value());
-    const auto header = peer.read_exact(HEADER_SIZE);
-    ASSERT_TRUE(header.has_value()) << "no answer to the resume";
-    EXPECT_EQ((*header)[4], FRAME_TYPE_SESSION);
-    ASSERT_EQ(get_le32(header->data()), 33U);
-    const auto body = peer.read_exact(33);
-    ASSERT_TRUE(body.has_value());
-    EXPECT_EQ((*body)[32], 2) << "not answered UNKNOWN";
-    expect_dropped(peer, {"asked to resume a session this process does not know"});
+    append(all, session_frame(id_byte, 1000, flags));
+    return peer.send_all(all);
+  };
+  // The resume or the end of a session nobody opened: answered UNKNOWN (2), then closed.
+  for (const auto& [flags, why] :
+       {std::pair{SESSION_RESUME, "asked to resume a session this process does not know"},
+        std::pair{SESSION_END, "the connection only ended a session"}}) {
+    RawPeer peer{m_listen};
+    ASSERT_TRUE(ask(peer, 0x5A, flags));
+    EXPECT_EQ(read_session_answer(peer), 2) << "not answered UNKNOWN";
+    expect_dropped(peer, {why});
     EXPECT_EQ(server_events(Recorder::Kind::ESTABLISHED, peer.local()), 0U);
   }
   {  // a new session, then another with the same id
@@ -414,19 +414,8 @@ TEST_F(HostileAsyncmsg, SessionFramesThatOpenOrResumeNothingAreRefused) {
   }
   {  // flags that ask for neither a new session, a resume nor an end
     RawPeer peer{m_listen};
-    Bytes all = session_greeting();
-    append(all, session_frame(0x34, 1000, SESSION_RESUME | 4));
-    ASSERT_TRUE(peer.send_all(all));
+    ASSERT_TRUE(ask(peer, 0x34, SESSION_RESUME | 4));
     expect_dropped(peer, {"a SESSION frame that asks neither a resume nor an end"});
-    EXPECT_EQ(server_events(Recorder::Kind::ESTABLISHED, peer.local()), 0U);
-  }
-  {  // the end of a session nobody opened: answered UNKNOWN, then closed
-    RawPeer peer{m_listen};
-    Bytes all = session_greeting();
-    append(all, session_frame(0x5B, 1000, SESSION_END));
-    ASSERT_TRUE(peer.send_all(all));
-    EXPECT_EQ(read_session_answer(peer), 2) << "not answered UNKNOWN";
-    expect_dropped(peer, {"the connection only ended a session"});
     EXPECT_EQ(server_events(Recorder::Kind::ESTABLISHED, peer.local()), 0U);
   }
   finish();
