@@ -204,6 +204,7 @@ struct ConnectionBase : std::enable_shared_from_this<ConnectionBase> {
     // A carrier that only tells the peer that the session ended (its application closed it
     // while it was interrupted): never reported, one attempt.
     bool farewell{false};
+    std::uint64_t farewell_count{0};  // a farewell: the peer's messages delivered here
   } session;
 };
 

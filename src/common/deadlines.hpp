@@ -9,11 +9,13 @@
 //
 // A Deadline is the handle of one: arming it again replaces the earlier arming, destroying
 // or cancelling it means its callback does not run. Deadlines::close() (backend shutdown)
-// cancels everything. Any thread may arm and cancel.
+// cancels everything. Arm and cancel from the loop thread (a Deadline handle itself is not
+// synchronised; the queue is, so that a handle may be destroyed on any thread).
 
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <map>
 #include <memory>
@@ -23,6 +25,8 @@
 #include <vector>
 
 #include <netio3/event_loop.hpp>
+
+#include "common/log.hpp"
 
 namespace netio3::detail {
 
@@ -82,7 +86,12 @@ struct Deadline::State {
         const std::lock_guard lock{mutex};
         if (closed || when.erase(id) == 0) continue;  // cancelled meanwhile
       }
-      callback();
+      try {
+        callback();
+      } catch (const std::exception& e) {
+        // The others of this expiry still run (each had a timer of its own before).
+        NETIO3_ERROR("netio3: a deadline's callback failed: {}", e.what());
+      }
     }
   }
 

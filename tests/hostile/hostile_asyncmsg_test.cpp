@@ -449,11 +449,22 @@ TEST_F(HostileAsyncmsg, ASessionEndsOnlyByItsOwnHost) {
     expect_dropped(stranger, {"the connection only ended a session"});
   }
   EXPECT_EQ(server_events(Recorder::Kind::CLOSED, owner.local()), 0U);
+  // The server sends three messages; the owner's END says it delivered two: those complete,
+  // the third is listed as not delivered.
+  const std::vector<std::uint8_t> payload(64, 0x5C);
+  for (std::uint64_t key = 0; key < 3; ++key) {
+    ASSERT_EQ(m_server->send_data_copy(owner.local(), payload, {}, key), NetioStatus::OK);
+  }
+  // Written to the socket (a peer can only have delivered what was sent).
+  ASSERT_TRUE(netio3::test::eventually(
+      [&] { return m_server->statistics(owner.local()).bytes_queued == 0; }, PROMPT));
   {  // its own host, from another port
     RawPeer same_host;
     from(same_host, "127.0.0.1");
     Bytes all = session_greeting();
-    append(all, session_frame(0x66, 60'000, SESSION_END));
+    Bytes end = session_frame(0x66, 60'000, SESSION_END);
+    put_le64(end.data() + HEADER_SIZE + 16, 2);  // the count of messages delivered
+    append(all, end);
     ASSERT_TRUE(same_host.send_all(all));
     EXPECT_EQ(read_session_answer(same_host), SESSION_END) << "not answered END";
   }
@@ -462,6 +473,12 @@ TEST_F(HostileAsyncmsg, ASessionEndsOnlyByItsOwnHost) {
   ASSERT_TRUE(reason.has_value());
   EXPECT_EQ(reason->cause, netio3::CloseCause::PEER_CLOSED);
   EXPECT_THAT(reason->message, ::testing::HasSubstr("closed the session"));
+  EXPECT_EQ(server_events(Recorder::Kind::COMPLETED, owner.local()), 2U);
+  for (const auto& e : m_server_rec.snapshot()) {
+    if (e.kind == Recorder::Kind::CLOSED && e.remote == owner.local()) {
+      EXPECT_EQ(e.keys, std::vector<std::uint64_t>{2});
+    }
+  }
   owner.close();
   finish();
 }

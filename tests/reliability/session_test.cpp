@@ -71,6 +71,11 @@ struct Side {
       ++closed;
       cv.notify_all();
     };
+    config.on_connection_refused_reason_cb = [this](const EndPointAddress&, const RefusalReason&) {
+      const std::lock_guard lock{mutex};
+      ++refused;
+      cv.notify_all();
+    };
     config.on_send_completed_cb = [this](const EndPointAddress&, std::uint64_t key) {
       const std::lock_guard lock{mutex};
       if (!completed.insert(key).second) ++completed_twice;
@@ -117,6 +122,7 @@ struct Side {
   int corrupt{0};
   int established{0};
   int closed{0};
+  int refused{0};
   int interrupted{0};
   std::vector<std::string> reasons;
   std::vector<std::chrono::milliseconds> outages;
@@ -402,6 +408,7 @@ TEST_F(Session, AClientClosingWhileInterruptedEndsTheServersSessionToo) {
   EXPECT_EQ(client->close_reason.cause, CloseCause::LOCAL);
   EXPECT_EQ(client->established, 1);
   EXPECT_EQ(client->closed, 1);
+  EXPECT_EQ(client->refused, 0);
   EXPECT_TRUE(client->outages.empty());
 }
 

@@ -7,6 +7,7 @@
 #include <condition_variable>
 #include <memory>
 #include <mutex>
+#include <stdexcept>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -38,6 +39,23 @@ struct Log {
   std::vector<int> ran;
 };
 
+// Runs `f` on the loop thread and waits for it (deadlines armed there are all computed
+// before the loop can look at the timer).
+template <typename F>
+void on_loop(test::LoopThread& loop, F&& f) {
+  std::mutex mutex;
+  std::condition_variable cv;
+  bool done = false;
+  loop.loop()->post([&] {
+    f();
+    const std::lock_guard lock{mutex};
+    done = true;
+    cv.notify_all();
+  });
+  std::unique_lock lock{mutex};
+  ASSERT_TRUE(cv.wait_for(lock, test::DEFAULT_TIMEOUT, [&] { return done; }));
+}
+
 TEST(Deadlines, RunInDeadlineOrderOnOneDescriptor) {
   test::LoopThread loop;
   const auto fds = test::open_fd_count();
@@ -45,16 +63,18 @@ TEST(Deadlines, RunInDeadlineOrderOnOneDescriptor) {
   EXPECT_EQ(test::open_fd_count(), fds + 1);
   Log log;
   std::vector<std::unique_ptr<Deadline>> handles;
-  // Armed out of order; 100 of them still take the one descriptor.
-  const std::vector<int> delays{40, 10, 30, 20, 50};
-  for (const int d : delays) {
-    handles.push_back(std::make_unique<Deadline>());
-    deadlines.arm(*handles.back(), std::chrono::milliseconds{d}, [&log, d] { log.add(d); });
-  }
-  for (int i = 0; i < 95; ++i) {
-    handles.push_back(std::make_unique<Deadline>());
-    deadlines.arm(*handles.back(), 60s, [&log] { log.add(-1); });
-  }
+  // Armed out of order (100 ms apart); 100 of them still take the one descriptor.
+  const std::vector<int> delays{400, 100, 300, 200, 500};
+  for (std::size_t i = 0; i < 100; ++i) handles.push_back(std::make_unique<Deadline>());
+  on_loop(loop, [&] {
+    for (std::size_t i = 0; i < delays.size(); ++i) {
+      const int d = delays[i];
+      deadlines.arm(*handles[i], std::chrono::milliseconds{d}, [&log, d] { log.add(d); });
+    }
+    for (std::size_t i = delays.size(); i < handles.size(); ++i) {
+      deadlines.arm(*handles[i], 600s, [&log] { log.add(-1); });
+    }
+  });
   EXPECT_EQ(test::open_fd_count(), fds + 1);
   EXPECT_EQ(deadlines.pending(), 100U);
   ASSERT_TRUE(log.wait_for_count(delays.size()));
@@ -68,6 +88,8 @@ TEST(Deadlines, RunInDeadlineOrderOnOneDescriptor) {
   EXPECT_EQ(deadlines.pending(), 0U);
 }
 
+// Deadlines that must not run are due a second after they are cancelled, replaced or closed;
+// later ones that run prove the time passed.
 TEST(Deadlines, CancelledOrReplacedOrClosedDeadlinesDoNotRun) {
   test::LoopThread loop;
   Deadlines deadlines{*loop.loop()};
@@ -75,26 +97,29 @@ TEST(Deadlines, CancelledOrReplacedOrClosedDeadlinesDoNotRun) {
   Deadline cancelled;
   Deadline replaced;
   Deadline last;
-  deadlines.arm(cancelled, 10ms, [&] { log.add(1); });
-  deadlines.arm(replaced, 10ms, [&] { log.add(2); });
-  deadlines.arm(replaced, 30ms, [&] { log.add(3); });  // replaces the 10 ms arming
-  cancelled.cancel();
+  on_loop(loop, [&] {
+    deadlines.arm(cancelled, 1000ms, [&] { log.add(1); });
+    deadlines.arm(replaced, 1000ms, [&] { log.add(2); });
+    deadlines.arm(replaced, 1200ms, [&] { log.add(3); });  // replaces the first arming
+    cancelled.cancel();
+    deadlines.arm(last, 1400ms, [&] { log.add(4); });
+  });
   EXPECT_FALSE(cancelled.armed());
-  deadlines.arm(last, 50ms, [&] { log.add(4); });
   ASSERT_TRUE(log.wait_for_count(2));
   EXPECT_EQ(log.snapshot(), (std::vector<int>{3, 4}));
 
   Deadline after_close;
-  deadlines.arm(after_close, 10ms, [&] { log.add(5); });
-  deadlines.close();
-  EXPECT_FALSE(after_close.armed());
   Deadline never;
-  deadlines.arm(never, 1ms, [&] { log.add(6); });  // ignored once closed
-  EXPECT_FALSE(never.armed());
-  // A deadline armed after these, on another queue, runs: by then these would have too.
   Deadlines other{*loop.loop()};
   Deadline probe;
-  other.arm(probe, 30ms, [&] { log.add(7); });
+  on_loop(loop, [&] {
+    deadlines.arm(after_close, 1000ms, [&] { log.add(5); });
+    deadlines.close();
+    deadlines.arm(never, 1ms, [&] { log.add(6); });  // ignored once closed
+    other.arm(probe, 1200ms, [&] { log.add(7); });
+  });
+  EXPECT_FALSE(after_close.armed());
+  EXPECT_FALSE(never.armed());
   ASSERT_TRUE(log.wait_for_count(3));
   EXPECT_EQ(log.snapshot(), (std::vector<int>{3, 4, 7}));
 }
@@ -108,16 +133,35 @@ TEST(Deadlines, ACallbackMayCancelArmAndDestroy) {
   auto first = std::make_unique<Deadline>();
   Deadline second;
   Deadline third;
-  // Due together (nanoseconds apart): one expiry takes both, and runs them in order.
-  deadlines.arm(*first, 5ms, [&] {
-    log.add(1);
-    second.cancel();
-    first.reset();
-    deadlines.arm(third, 5ms, [&] { log.add(3); });
+  // Due together (armed in one loop callback, nanoseconds apart): one expiry takes both and
+  // runs them in order.
+  on_loop(loop, [&] {
+    deadlines.arm(*first, 5ms, [&] {
+      log.add(1);
+      second.cancel();
+      first.reset();
+      deadlines.arm(third, 5ms, [&] { log.add(3); });
+    });
+    deadlines.arm(second, 5ms, [&] { log.add(2); });
   });
-  deadlines.arm(second, 5ms, [&] { log.add(2); });
   ASSERT_TRUE(log.wait_for_count(2));
   EXPECT_EQ(log.snapshot(), (std::vector<int>{1, 3}));
+}
+
+// A callback that throws does not keep the others of its expiry from running.
+TEST(Deadlines, AThrowingCallbackDoesNotStopTheOthers) {
+  test::LoopThread loop;
+  Deadlines deadlines{*loop.loop()};
+  Log log;
+  Deadline throws;
+  Deadline runs;
+  on_loop(loop, [&] {
+    deadlines.arm(throws, 5ms, [] { throw std::runtime_error{"test"}; });
+    deadlines.arm(runs, 5ms, [&] { log.add(1); });
+  });
+  ASSERT_TRUE(log.wait_for_count(1));
+  EXPECT_FALSE(runs.armed());
+  EXPECT_FALSE(throws.armed());
 }
 
 }  // namespace

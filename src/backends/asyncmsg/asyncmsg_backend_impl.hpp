@@ -271,7 +271,7 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
   // ---- sessions (the engine's interrupt and resume; setup.cpp) --------------------------
   void detach_transport(const std::shared_ptr<Connection>& conn);
   std::shared_ptr<detail::ConnectionBase> resume_transport(const std::shared_ptr<Connection>& conn);
-  void say_farewell(const std::shared_ptr<Connection>& conn);
+  void say_farewell(const std::shared_ptr<Connection>& conn) noexcept;
   // A carrier for `conn`'s session: connecting, tracked by the set-up deadline; nullptr
   // (the reason in `why`) when the connect could not start.
   std::shared_ptr<Connection> start_carrier(const std::shared_ptr<Connection>& conn,

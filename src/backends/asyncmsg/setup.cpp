@@ -232,9 +232,11 @@ bool Backend::admitted(const std::shared_ptr<Connection>& conn) {
     const std::uint8_t flags = conn->session.farewell ? detail::SESSION_END
                                : target               ? detail::SESSION_RESUME
                                                       : std::uint8_t{0};
-    const auto frame =
-        session_frame(conn->session.id, target ? target->acks.delivered : 0,
-                      static_cast<std::uint64_t>(conn->session.give_up.count()), flags);
+    const std::uint64_t count = conn->session.farewell ? conn->session.farewell_count
+                                : target               ? target->acks.delivered
+                                                       : 0;
+    const auto frame = session_frame(
+        conn->session.id, count, static_cast<std::uint64_t>(conn->session.give_up.count()), flags);
     conn->awaiting_session = true;
     write_setup(conn, frame);
     return setup_alive(*conn);
@@ -308,11 +310,14 @@ bool Backend::session_request(const std::shared_ptr<Connection>& conn,
     refuse_and_linger(*conn, session_frame(id, known ? session->acks.delivered : 0, 0,
                                            known ? detail::SESSION_END : detail::SESSION_UNKNOWN));
     refuse(conn, RefusalCause::SETUP_FAILED, "the connection only ended a session");
-    if (known && !shut_down()) {
-      NETIO3_INFO("asyncmsg: {} closed the session of its connection with {}", conn->remote.address,
-                  session->remote);
-      close(session, "the peer closed the session while it was interrupted", CloseCause::PEER);
-    }
+    if (!known || shut_down()) return false;
+    NETIO3_INFO("asyncmsg: {} closed the session of its connection with {}", conn->remote.address,
+                session->remote);
+    // What the client's application was handed completes (its END carries the count, as
+    // the acknowledgement before a goodbye would); a count that breaks the protocol closes
+    // the session as such.
+    if (!acknowledgement(session, count) || session->ending()) return false;
+    close(session, "the peer closed the session while it was interrupted", CloseCause::PEER);
     return false;
   }
   if ((flags & detail::SESSION_RESUME) == 0) {
@@ -472,18 +477,24 @@ void Backend::detach_transport(const std::shared_ptr<Connection>& conn) {
 
 std::shared_ptr<Connection> Backend::start_carrier(const std::shared_ptr<Connection>& conn,
                                                    std::string& why) {
-  auto carrier = std::make_shared<Connection>(next_id(), m_io, m_chunks, m_bodies, conn->remote,
-                                              conn->params, 0, Phase::CONNECTING);
-  carrier->session.id = conn->session.id;
-  why = connect_again(carrier->socket, conn->remote);
-  if (!why.empty()) return nullptr;
-  {
-    const std::lock_guard lock{carrier->mutex};
-    carrier->fd =
-        m_loop->add_fd(carrier->socket.native_handle(), EPOLLOUT, socket_callback(carrier));
+  try {
+    auto carrier = std::make_shared<Connection>(next_id(), m_io, m_chunks, m_bodies, conn->remote,
+                                                conn->params, 0, Phase::CONNECTING);
+    carrier->session.id = conn->session.id;
+    why = connect_again(carrier->socket, conn->remote);
+    if (!why.empty()) return nullptr;
+    {
+      const std::lock_guard lock{carrier->mutex};
+      carrier->fd =
+          m_loop->add_fd(carrier->socket.native_handle(), EPOLLOUT, socket_callback(carrier));
+    }
+    track_setup(carrier);
+    return carrier;
+  } catch (const std::exception& e) {
+    // No memory or descriptor for it (epoll_ctl): this attempt fails like a refused one.
+    why = e.what();
+    return nullptr;
   }
-  track_setup(carrier);
-  return carrier;
 }
 
 std::shared_ptr<detail::ConnectionBase> Backend::resume_transport(
@@ -499,7 +510,7 @@ std::shared_ptr<detail::ConnectionBase> Backend::resume_transport(
   return carrier;
 }
 
-void Backend::say_farewell(const std::shared_ptr<Connection>& conn) {
+void Backend::say_farewell(const std::shared_ptr<Connection>& conn) noexcept {
   std::erase_if(m_farewells, [](const auto& c) { return c->phase >= Phase::CLOSING; });
   std::string why;
   auto carrier = start_carrier(conn, why);
@@ -508,7 +519,14 @@ void Backend::say_farewell(const std::shared_ptr<Connection>& conn) {
     return;
   }
   carrier->session.farewell = true;
-  m_farewells.push_back(std::move(carrier));
+  // What this side had handed to its application: the peer completes those sends rather
+  // than listing them (as the acknowledgement before a goodbye does).
+  carrier->session.farewell_count = conn->acks.delivered;
+  try {
+    m_farewells.push_back(std::move(carrier));
+  } catch (const std::bad_alloc&) {
+    NETIO3_DEBUG("asyncmsg: cannot tell {} that the session ended: out of memory", conn->remote);
+  }
 }
 
 bool Backend::setup_protocol_error(const std::shared_ptr<Connection>& conn, std::string_view what) {
