@@ -39,23 +39,6 @@ struct Log {
   std::vector<int> ran;
 };
 
-// Runs `f` on the loop thread and waits for it (deadlines armed there are all computed
-// before the loop can look at the timer).
-template <typename F>
-void on_loop(test::LoopThread& loop, F&& f) {
-  std::mutex mutex;
-  std::condition_variable cv;
-  bool done = false;
-  loop.loop()->post([&] {
-    f();
-    const std::lock_guard lock{mutex};
-    done = true;
-    cv.notify_all();
-  });
-  std::unique_lock lock{mutex};
-  ASSERT_TRUE(cv.wait_for(lock, test::DEFAULT_TIMEOUT, [&] { return done; }));
-}
-
 TEST(Deadlines, RunInDeadlineOrderOnOneDescriptor) {
   test::LoopThread loop;
   const auto fds = test::open_fd_count();
@@ -66,7 +49,8 @@ TEST(Deadlines, RunInDeadlineOrderOnOneDescriptor) {
   // Armed out of order (100 ms apart); 100 of them still take the one descriptor.
   const std::vector<int> delays{400, 100, 300, 200, 500};
   for (std::size_t i = 0; i < 100; ++i) handles.push_back(std::make_unique<Deadline>());
-  on_loop(loop, [&] {
+  // On the loop thread: the deadlines are all computed before the loop looks at the timer.
+  loop.loop()->run_sync([&] {
     for (std::size_t i = 0; i < delays.size(); ++i) {
       const int d = delays[i];
       deadlines.arm(*handles[i], std::chrono::milliseconds{d}, [&log, d] { log.add(d); });
@@ -97,7 +81,7 @@ TEST(Deadlines, CancelledOrReplacedOrClosedDeadlinesDoNotRun) {
   Deadline cancelled;
   Deadline replaced;
   Deadline last;
-  on_loop(loop, [&] {
+  loop.loop()->run_sync([&] {
     deadlines.arm(cancelled, 1000ms, [&] { log.add(1); });
     deadlines.arm(replaced, 1000ms, [&] { log.add(2); });
     deadlines.arm(replaced, 1200ms, [&] { log.add(3); });  // replaces the first arming
@@ -112,7 +96,7 @@ TEST(Deadlines, CancelledOrReplacedOrClosedDeadlinesDoNotRun) {
   Deadline never;
   Deadlines other{*loop.loop()};
   Deadline probe;
-  on_loop(loop, [&] {
+  loop.loop()->run_sync([&] {
     deadlines.arm(after_close, 1000ms, [&] { log.add(5); });
     deadlines.close();
     deadlines.arm(never, 1ms, [&] { log.add(6); });  // ignored once closed
@@ -135,7 +119,7 @@ TEST(Deadlines, ACallbackMayCancelArmAndDestroy) {
   Deadline third;
   // Due together (armed in one loop callback, nanoseconds apart): one expiry takes both and
   // runs them in order.
-  on_loop(loop, [&] {
+  loop.loop()->run_sync([&] {
     deadlines.arm(*first, 5ms, [&] {
       log.add(1);
       second.cancel();
@@ -155,7 +139,7 @@ TEST(Deadlines, AThrowingCallbackDoesNotStopTheOthers) {
   Log log;
   Deadline throws;
   Deadline runs;
-  on_loop(loop, [&] {
+  loop.loop()->run_sync([&] {
     deadlines.arm(throws, 5ms, [] { throw std::runtime_error{"test"}; });
     deadlines.arm(runs, 5ms, [&] { log.add(1); });
   });
