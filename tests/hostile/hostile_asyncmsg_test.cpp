@@ -13,6 +13,10 @@
 // on poll() for raw sockets, or (for quantities nothing notifies about: fd counts, kernel
 // socket queues) on a condition re-checked until a deadline.
 
+#include <memory>
+#include <set>
+#include <vector>
+
 #include <gmock/gmock.h>
 
 #include "hostile_support.hpp"
@@ -493,13 +497,24 @@ TEST_F(HostileAsyncmsg, InterruptedSessionsPastTheLimitCloseTheOldestOfTheHostWi
   ASSERT_NO_FATAL_FAILURE(start(limits));
   // Opens a session from `source` (another loopback address is another host), then resets
   // its connection: the server keeps it, interrupted.
+  // An abandoned session holds no socket, so the kernel may hand its port to the next peer
+  // bound to the same address: that peer would be refused as a source-port collision (and its
+  // events mistaken for the old one's). Each peer gets a port no earlier one had.
   std::uint8_t next_id = 0x40;
+  std::set<std::uint16_t> used_ports;
   const auto abandon = [&](const char* source) {
-    RawPeer peer;
-    sockaddr_in sa{};
-    sa.sin_family = AF_INET;
-    ::inet_pton(AF_INET, source, &sa.sin_addr);
-    EXPECT_EQ(::bind(peer.fd(), reinterpret_cast<const sockaddr*>(&sa), sizeof sa), 0);  // NOLINT
+    std::vector<std::unique_ptr<RawPeer>> held;  // a reused port stays taken until we are done
+    for (;;) {
+      held.push_back(std::make_unique<RawPeer>());
+      sockaddr_in sa{};
+      sa.sin_family = AF_INET;
+      ::inet_pton(AF_INET, source, &sa.sin_addr);
+      EXPECT_EQ(  // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast)
+          ::bind(held.back()->fd(), reinterpret_cast<const sockaddr*>(&sa), sizeof sa), 0);
+      const auto bound = socket_address(held.back()->fd(), false);
+      if (bound && used_ports.insert(bound->port).second) break;
+    }
+    RawPeer& peer = *held.back();
     peer.connect_to(m_listen);
     Bytes all = session_greeting();
     append(all, session_frame(next_id++, 60'000, 0));
