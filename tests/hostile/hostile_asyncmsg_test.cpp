@@ -536,7 +536,7 @@ TEST_F(HostileAsyncmsg, InterruptedSessionsPastTheLimitCloseTheOldestOfTheHostWi
 
   // A fifth: 127.0.0.2 holds three of them, its oldest goes.
   local.push_back(abandon("127.0.0.1"));
-  ASSERT_TRUE(wait_server_event(Recorder::Kind::CLOSED, other[0]));
+  ASSERT_TRUE(wait_server_event(Recorder::Kind::CLOSED, other[0])) << m_logs.dump();
   const auto reason = server_close_reason(other[0]);
   ASSERT_TRUE(reason.has_value());
   EXPECT_EQ(reason->cause, netio3::CloseCause::PEER_LOST);
@@ -544,7 +544,7 @@ TEST_F(HostileAsyncmsg, InterruptedSessionsPastTheLimitCloseTheOldestOfTheHostWi
   EXPECT_THAT(reason->message, ::testing::HasSubstr("127.0.0.2 held the most"));
   // Another: now 127.0.0.1 holds three, its oldest goes; 127.0.0.2's keep theirs.
   local.push_back(abandon("127.0.0.1"));
-  ASSERT_TRUE(wait_server_event(Recorder::Kind::CLOSED, local[0]));
+  ASSERT_TRUE(wait_server_event(Recorder::Kind::CLOSED, local[0])) << m_logs.dump();
   EXPECT_THAT(server_close_reason(local[0])->message, ::testing::HasSubstr("127.0.0.1 held"));
   EXPECT_EQ(closed(other[1]), 0U);
   EXPECT_EQ(closed(other[2]), 0U);
