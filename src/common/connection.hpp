@@ -86,8 +86,6 @@ struct ConnectionBase : std::enable_shared_from_this<ConnectionBase> {
       ledger.expect_acknowledgements();
       acknowledged_sends.store(true);
     }
-    // Sessions (asyncmsg only): a send is written to the kernel before its peer can have it.
-    if (session.enabled) ledger.expect_transport_first();
   }
 
   [[nodiscard]] bool active() const noexcept { return listener_id == 0; }

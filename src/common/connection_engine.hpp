@@ -448,7 +448,7 @@ class ConnectionEngine {
       if (conn->session.enabled) [[unlikely]] {
         if (conn->session.farewell) report = false;
         if (interrupts(*conn, cause)) {
-          interrupt(conn, reason);
+          interrupt(conn, reason, cause);
           return;
         }
         if (auto target = conn->session.resumes.lock()) {
@@ -501,7 +501,8 @@ class ConnectionEngine {
 
   // ---- sessions (DeliveryParameters::Session; docs/sessions.md) -------------------------
   // The transport (Derived::SESSIONS) implements
-  //  - detach_transport(conn): the session connection is interrupted: drop its transport
+  //  - detach_transport(conn, cause): the session connection is interrupted (`cause`: ERROR,
+  //    the transport reported a failure; SILENT, the peer fell silent): drop its transport
   //    connection (no goodbye, nothing lingers), keep everything sent for a resume;
   //  - resume_transport(conn): active side, an attempt: start a carrier (a new transport
   //    connection set up like any other, session.resumes naming `conn`) and return it, or
@@ -518,7 +519,7 @@ class ConnectionEngine {
   // bounds it).
   [[nodiscard]] static bool interrupts(const Conn& conn, CloseCause cause) noexcept;
 
-  void interrupt(const std::shared_ptr<Conn>& conn, std::string_view reason);
+  void interrupt(const std::shared_ptr<Conn>& conn, std::string_view reason, CloseCause cause);
   // The listening side keeps at most limits.max_interrupted_sessions interrupted sessions.
   void keep_interrupted_within_limit();
 

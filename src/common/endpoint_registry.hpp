@@ -77,21 +77,33 @@ class EndpointRegistry {
     const std::lock_guard lock{m_index_mutex};
     m_listeners_by_id.erase(id);
   }
+  // Another id that finds `conn` (a resumed session's new token on the wire, while its own id
+  // stays indexed), until forget_alias(); an id in use already is not taken.
+  bool alias(std::uint64_t id, const std::shared_ptr<Conn>& conn) {
+    const std::lock_guard lock{m_index_mutex};
+    if (m_by_id.contains(id)) return false;
+    return m_aliases.emplace(id, conn).second;
+  }
+  void forget_alias(std::uint64_t id) {
+    const std::lock_guard lock{m_index_mutex};
+    m_aliases.erase(id);
+  }
   [[nodiscard]] std::shared_ptr<Conn> by_id(std::uint64_t id) {
     const std::lock_guard lock{m_index_mutex};
-    const auto it = m_by_id.find(id);
-    return it == m_by_id.end() ? nullptr : it->second.lock();
+    if (const auto it = m_by_id.find(id); it != m_by_id.end()) return it->second.lock();
+    const auto it = m_aliases.find(id);
+    return it == m_aliases.end() ? nullptr : it->second.lock();
   }
   [[nodiscard]] bool id_in_use(const Lock& /*held*/, std::uint64_t id) {
     const std::lock_guard lock{m_index_mutex};
-    return m_by_id.contains(id);
+    return m_by_id.contains(id) || m_aliases.contains(id);
   }
   [[nodiscard]] std::shared_ptr<Listener> listener_by_id(std::uint64_t id) {
     const std::lock_guard lock{m_index_mutex};
     const auto it = m_listeners_by_id.find(id);
     return it == m_listeners_by_id.end() ? nullptr : it->second.lock();
   }
-  // Every indexed connection still alive (backend shutdown).
+  // Every indexed connection still alive (backend shutdown; aliases name them again).
   [[nodiscard]] std::vector<std::shared_ptr<Conn>> indexed() {
     const std::lock_guard lock{m_index_mutex};
     std::vector<std::shared_ptr<Conn>> all;
@@ -285,6 +297,7 @@ class EndpointRegistry {
   void clear_index() {
     const std::lock_guard lock{m_index_mutex};
     m_by_id.clear();
+    m_aliases.clear();
     m_listeners_by_id.clear();
   }
 
@@ -304,6 +317,7 @@ class EndpointRegistry {
   std::unordered_map<EndPointAddress, std::shared_ptr<Conn>> m_unreported;
   OptionalMutex m_index_mutex;
   std::unordered_map<std::uint64_t, std::weak_ptr<Conn>> m_by_id;
+  std::unordered_map<std::uint64_t, std::weak_ptr<Conn>> m_aliases;
   std::unordered_map<std::uint64_t, std::weak_ptr<Listener>> m_listeners_by_id;
 };
 

@@ -45,12 +45,13 @@ inline bool ConnectionEngine<Derived, Conn, Listener>::interrupts(const Conn& co
 
 template <typename Derived, std::derived_from<ConnectionBase> Conn, RegisteredListener Listener>
 inline void ConnectionEngine<Derived, Conn, Listener>::interrupt(const std::shared_ptr<Conn>& conn,
-                                                                 std::string_view reason) {
+                                                                 std::string_view reason,
+                                                                 CloseCause cause) {
   auto& session = conn->session;
   if (session.down) {
     // A resume in progress broke (the GO never came): its transport connection goes too;
     // the client tries again.
-    derived().detach_transport(conn);
+    derived().detach_transport(conn, cause);
     return;
   }
   {
@@ -65,7 +66,7 @@ inline void ConnectionEngine<Derived, Conn, Listener>::interrupt(const std::shar
               conn->remote, reason,
               conn->active() ? "reconnecting" : "waiting for the peer to resume it",
               session.give_up.count());
-  derived().detach_transport(conn);
+  derived().detach_transport(conn, cause);
   std::weak_ptr<Derived> weak = derived().weak_from_this();
   std::weak_ptr<Conn> weak_conn = conn;
   m_deadlines->arm(session.give_up_timer, session.give_up, [weak, weak_conn] {

@@ -160,5 +160,38 @@ TEST(EndpointRegistry, NothingIsFoundAfterTakeAll) {
   EXPECT_EQ(a.use_count(), 1);
 }
 
+// A resumed session's messages carry a new token: an alias finds the same connection while
+// its own id stays indexed; an alias never takes an id in use, and goes with forget_alias.
+TEST(EndpointRegistry, AnAliasFindsItsConnectionUntilForgotten) {
+  Registry registry{"test", true};
+  const auto a = add(registry, 1, A);
+  const auto b = add(registry, 2, B);
+  registry.index(a);
+  registry.index(b);
+  EXPECT_EQ(registry.by_id(7), nullptr);
+  ASSERT_TRUE(registry.alias(7, a));
+  EXPECT_EQ(registry.by_id(7), a);
+  EXPECT_EQ(registry.by_id(1), a);
+  EXPECT_FALSE(registry.alias(2, a)) << "an indexed id is not an alias";
+  EXPECT_EQ(registry.by_id(2), b);
+  EXPECT_FALSE(registry.alias(7, b)) << "an alias in use is not taken again";
+  EXPECT_EQ(registry.by_id(7), a);
+  {
+    const auto held = registry.lock();
+    EXPECT_TRUE(registry.id_in_use(held, 7));
+  }
+  EXPECT_EQ(registry.indexed().size(), 2U) << "an alias is no second connection";
+  registry.forget_alias(7);
+  EXPECT_EQ(registry.by_id(7), nullptr);
+  EXPECT_EQ(registry.by_id(1), a);
+  {
+    const auto held = registry.lock();
+    EXPECT_FALSE(registry.id_in_use(held, 7));
+  }
+  ASSERT_TRUE(registry.alias(8, b));
+  registry.clear_index();
+  EXPECT_EQ(registry.by_id(8), nullptr);
+}
+
 }  // namespace
 }  // namespace netio3::detail

@@ -123,6 +123,9 @@ struct Connection : detail::ConnectionBase {
         queue{chunks},
         replay{std::move(chunks)} {
     decoder.set_body_cache(std::move(bodies));
+    // A session's send is written to the kernel before its peer can have it (a listener's
+    // connection learns of its session from the SESSION frame: setup.cpp says so then).
+    if (session.enabled) ledger.expect_transport_first();
   }
 
   std::shared_ptr<asio::io_context> io;
@@ -269,7 +272,7 @@ class Backend : public detail::ConnectionEngine<Backend, Connection, Listener>,
   static void abandon(Connection& conn) noexcept;
 
   // ---- sessions (the engine's interrupt and resume; setup.cpp) --------------------------
-  void detach_transport(const std::shared_ptr<Connection>& conn);
+  void detach_transport(const std::shared_ptr<Connection>& conn, CloseCause cause);
   std::shared_ptr<detail::ConnectionBase> resume_transport(const std::shared_ptr<Connection>& conn);
   void say_farewell(const std::shared_ptr<Connection>& conn) noexcept;
   // A carrier for `conn`'s session: connecting, tracked by the set-up deadline; nullptr

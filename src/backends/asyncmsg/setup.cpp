@@ -352,7 +352,8 @@ bool Backend::session_request(const std::shared_ptr<Connection>& conn,
   if (!session->session.down) {
     interrupt(session,
               "the peer resumed the session on a new connection (the old one broke "
-              "without this side noticing)");
+              "without this side noticing)",
+              CloseCause::SILENT);
     if (shut_down()) return false;
     if (session->ending()) {  // closed in the interrupted callback
       refuse(conn, RefusalCause::SETUP_FAILED, "the session ended");
@@ -420,7 +421,8 @@ bool Backend::session_answer(const std::shared_ptr<Connection>& conn,
 
 void Backend::adopt(const std::shared_ptr<Connection>& conn,
                     const std::shared_ptr<Connection>& carrier) {
-  detach_transport(conn);  // the old one, if this side had not noticed it break
+  // The old one, if this side had not noticed it break.
+  detach_transport(conn, CloseCause::SILENT);
   std::size_t max_send = 0;
   {
     const std::lock_guard lock{carrier->mutex};
@@ -460,7 +462,7 @@ void Backend::carry_on(const std::shared_ptr<Connection>& conn, std::span<const 
   request_flush(conn);
 }
 
-void Backend::detach_transport(const std::shared_ptr<Connection>& conn) {
+void Backend::detach_transport(const std::shared_ptr<Connection>& conn, CloseCause /*cause*/) {
   {
     const std::lock_guard lock{conn->mutex};
     conn->fd.close();
