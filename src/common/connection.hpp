@@ -25,6 +25,7 @@
 #include "common/send_failure.hpp"
 #include "common/send_ledger.hpp"
 #include "common/thread_model.hpp"
+#include "common/wire.hpp"
 
 namespace netio3::detail {
 
@@ -185,7 +186,7 @@ struct ConnectionBase : std::enable_shared_from_this<ConnectionBase> {
   // transport connection carries it again. The active side makes those (carriers: connections
   // of the transport that the application never sees, `resumes` naming the session they would
   // resume); the passive side waits. Loop thread only, but for `down`.
-  using SessionId = std::array<std::uint8_t, 16>;
+  using SessionId = detail::SessionId;
   struct Session {
     bool enabled{false};
     bool down{false};       // interrupted: no transport connection (under `mutex`)

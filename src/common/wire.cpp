@@ -209,4 +209,26 @@ std::vector<std::uint8_t> encode_frame(std::uint8_t type, std::span<const std::u
   return out;
 }
 
+void encode_session_body(const SessionFrame& frame, bool with_token, std::uint8_t* out) noexcept {
+  std::copy(frame.id.begin(), frame.id.end(), out);
+  out += frame.id.size();
+  store_le64(out, frame.count);
+  store_le64(out + 8, frame.give_up_ms);
+  out[16] = frame.flags;
+  if (with_token) store_le64(out + 17, frame.token);
+}
+
+std::optional<SessionFrame> decode_session_body(std::span<const std::uint8_t> body,
+                                                bool with_token) noexcept {
+  if (body.size() != session_body_size(with_token)) return std::nullopt;
+  SessionFrame frame;
+  std::copy_n(body.begin(), frame.id.size(), frame.id.begin());
+  const std::uint8_t* rest = body.data() + frame.id.size();
+  frame.count = load_le64(rest);
+  frame.give_up_ms = load_le64(rest + 8);
+  frame.flags = rest[16];
+  if (with_token) frame.token = load_le64(rest + 17);
+  return frame;
+}
+
 }  // namespace netio3::detail

@@ -36,6 +36,7 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -92,6 +93,26 @@ inline constexpr std::uint8_t SESSION_GO = 4;       // client, after a resume: s
 // Client: its application closed the session while it was interrupted (a connection made
 // only to say so; the server closes the session and answers with END); server: ended.
 inline constexpr std::uint8_t SESSION_END = 8;
+// A SESSION body. The UCX control channel's (3.5) carries one more field after the flags, the
+// sender's receive token for the session's messages from then on (8 bytes; 0 outside a
+// resume): each transport connection of a session has its own.
+using SessionId = std::array<std::uint8_t, 16>;
+struct SessionFrame {
+  SessionId id{};
+  std::uint64_t count{};       // the peer's messages the sender handed to its application
+  std::uint64_t give_up_ms{};  // the client's give_up (a new session), else 0
+  std::uint8_t flags{};
+  std::uint64_t token{};  // only with_token
+};
+inline constexpr std::size_t SESSION_TOKEN_BODY_SIZE = SESSION_BODY_SIZE + 8;
+[[nodiscard]] constexpr std::size_t session_body_size(bool with_token) noexcept {
+  return with_token ? SESSION_TOKEN_BODY_SIZE : SESSION_BODY_SIZE;
+}
+// Writes session_body_size(with_token) bytes at `out`.
+void encode_session_body(const SessionFrame& frame, bool with_token, std::uint8_t* out) noexcept;
+// nullopt for a body of another size (flags are the caller's to judge).
+[[nodiscard]] std::optional<SessionFrame> decode_session_body(std::span<const std::uint8_t> body,
+                                                              bool with_token) noexcept;
 // Lengths travel as 32-bit numbers.
 inline constexpr std::size_t WIRE_MAX_MESSAGE_SIZE = 0xFFFF'FFFFU;
 

@@ -661,5 +661,42 @@ TEST(BodyCache, KeepsItsBoundsAndGivesOnlyFittingBlocks) {
   EXPECT_EQ(cache.cached_blocks(), before - 1);
 }
 
+// The SESSION body: asyncmsg's 33 bytes, the UCX control channel's 41 (a receive token after
+// the flags); every field where the layout puts it, and a body of another size refused.
+TEST(SessionBody, EncodesEveryFieldAndRefusesOtherSizes) {
+  netio3::detail::SessionFrame frame;
+  for (std::size_t i = 0; i < frame.id.size(); ++i) frame.id[i] = static_cast<std::uint8_t>(i + 1);
+  frame.count = 0x0102030405060708ULL;
+  frame.give_up_ms = 60'000;
+  frame.flags = netio3::detail::SESSION_RESUME;
+  frame.token = 0xA1B2C3D4E5F60718ULL;
+  for (const bool with_token : {false, true}) {
+    SCOPED_TRACE(with_token ? "with a token" : "without");
+    std::vector<std::uint8_t> body(netio3::detail::session_body_size(with_token));
+    netio3::detail::encode_session_body(frame, with_token, body.data());
+    EXPECT_EQ(body[0], 1);
+    EXPECT_EQ(body[15], 16);
+    EXPECT_EQ(body[16], 0x08) << "the count, little endian";
+    EXPECT_EQ(body[23], 0x01);
+    EXPECT_EQ(body[24], 0x60) << "give_up_ms 60000 = 0xEA60";
+    EXPECT_EQ(body[25], 0xEA);
+    EXPECT_EQ(body[32], netio3::detail::SESSION_RESUME);
+    if (with_token) {
+      EXPECT_EQ(body[33], 0x18);
+      EXPECT_EQ(body[40], 0xA1);
+    }
+    const auto back = netio3::detail::decode_session_body(body, with_token);
+    ASSERT_TRUE(back.has_value());
+    EXPECT_EQ(back->id, frame.id);
+    EXPECT_EQ(back->count, frame.count);
+    EXPECT_EQ(back->give_up_ms, frame.give_up_ms);
+    EXPECT_EQ(back->flags, frame.flags);
+    EXPECT_EQ(back->token, with_token ? frame.token : 0U);
+    EXPECT_FALSE(netio3::detail::decode_session_body(body, !with_token).has_value());
+    body.pop_back();
+    EXPECT_FALSE(netio3::detail::decode_session_body(body, with_token).has_value());
+  }
+}
+
 }  // namespace
 }  // namespace netio3::asyncmsg

@@ -255,11 +255,8 @@ std::array<std::uint8_t, FRAME_HEADER_SIZE + detail::SESSION_BODY_SIZE> session_
     std::uint8_t flags) {
   std::array<std::uint8_t, FRAME_HEADER_SIZE + detail::SESSION_BODY_SIZE> frame{};
   encode_frame_header(frame.data(), detail::SESSION_BODY_SIZE, detail::FRAME_SESSION);
-  std::uint8_t* body = frame.data() + FRAME_HEADER_SIZE;
-  std::copy(id.begin(), id.end(), body);
-  detail::store_le64(body + id.size(), count);
-  detail::store_le64(body + id.size() + 8, give_up_ms);
-  body[detail::SESSION_BODY_SIZE - 1] = flags;
+  detail::encode_session_body({.id = id, .count = count, .give_up_ms = give_up_ms, .flags = flags},
+                              false, frame.data() + FRAME_HEADER_SIZE);
   return frame;
 }
 
@@ -269,14 +266,11 @@ bool Backend::on_session(const std::shared_ptr<Connection>& conn,
   const auto violation = [&](std::string_view what) {
     return conn->setting_up() ? setup_protocol_error(conn, what) : protocol_violation(conn, what);
   };
-  if (body.size() != detail::SESSION_BODY_SIZE) {
-    return violation(fmt::format("a SESSION frame with {} bytes of body", body.size()));
-  }
-  detail::ConnectionBase::SessionId id{};
-  std::copy_n(body.begin(), id.size(), id.begin());
-  const std::uint64_t count = detail::load_le64(body.data() + id.size());
-  const std::uint64_t give_up_ms = detail::load_le64(body.data() + id.size() + 8);
-  const std::uint8_t flags = body[detail::SESSION_BODY_SIZE - 1];
+  const auto frame = detail::decode_session_body(body, false);
+  if (!frame) return violation(fmt::format("a SESSION frame with {} bytes of body", body.size()));
+  const auto& id = frame->id;
+  const std::uint64_t count = frame->count;
+  const std::uint8_t flags = frame->flags;
   if (conn->awaiting_go) {
     // Server, resuming: the client has the new connection; what it had not delivered follows.
     if (flags != detail::SESSION_GO || id != conn->session.id) {
@@ -289,7 +283,7 @@ bool Backend::on_session(const std::shared_ptr<Connection>& conn,
   if (!conn->awaiting_session) return violation("an unexpected SESSION frame");
   conn->awaiting_session = false;
   return conn->active() ? session_answer(conn, id, count, flags)
-                        : session_request(conn, id, count, give_up_ms, flags);
+                        : session_request(conn, id, count, frame->give_up_ms, flags);
 }
 
 bool Backend::session_request(const std::shared_ptr<Connection>& conn,
