@@ -11,7 +11,8 @@
 #                                in build/plain-CXX, warnings as errors, whole suite; also
 #                                builds the benchmark programs (target netio3_benchmarks),
 #                                which no other build makes unless asked
-#   tools/run.sh lint DIR        clang-tidy (.clang-tidy) on the library's sources, with
+#   tools/run.sh lint DIR        clang-format (.clang-format) over the tracked C++ files,
+#                                clang-tidy (.clang-tidy) on the library's sources, with
 #                                DIR's compile_commands.json, and the API reference
 #                                (target docs, Doxygen warnings as errors)
 #   tools/run.sh package DIR     cpack -G DEB in DIR; installs the packages with apt-get in a
@@ -22,7 +23,7 @@
 # Installing packages needs root (or sudo); nothing is installed when all are present. Each
 # command installs what it needs and no more: demo and test the build's dependencies, the
 # CI commands their own tools besides (clang for plain, which also brings the fuzz test;
-# clang-tidy and Doxygen for lint; debootstrap for package).
+# clang-format, clang-tidy and Doxygen for lint; debootstrap for package).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -183,8 +184,12 @@ case "$cmd" in
     ;;
   lint)
     dir=${2:?usage: tools/run.sh lint BUILD_DIR}
-    PACKAGES+=(clang-tidy doxygen)
+    PACKAGES+=(clang-tidy clang-format doxygen)
     install_missing
+    # The tree keeps its format (.clang-format): every C++ file outside the build folders.
+    find . \( -name 'build*' -o -name '.*' ! -name . \) -prune -o \
+      \( -name '*.cpp' -o -name '*.hpp' -o -name '*.h' \) -print0 |
+      xargs -0 clang-format --dry-run -Werror
     # Only the library's own translation units; headers under include/ and src/ are
     # checked through them (.clang-tidy HeaderFilterRegex).
     # run-clang-tidy 14 has no -warnings-as-errors: any finding in its output fails.

@@ -358,10 +358,10 @@ struct NetworkLimits {
   std::chrono::milliseconds peer_timeout{std::chrono::seconds{30}};
   /// Sessions (docs/sessions.md): the interrupted sessions the listening side keeps for their
   /// clients to resume, over all its listeners (each holds its connection's state, what it had
-  /// not yet seen acknowledged; their deadlines share one timer descriptor). Past it, the oldest interrupted
-  /// session of the client host that holds the most of them is given up (closed, PEER_LOST,
-  /// with the reason): a host that opens sessions and abandons them cannot pin memory without
-  /// bound, nor push out the sessions of other hosts. At least 1.
+  /// not yet seen acknowledged; their deadlines share one timer descriptor). Past it, the
+  /// oldest interrupted session of the client host that holds the most of them is given up
+  /// (closed, PEER_LOST, with the reason): a host that opens sessions and abandons them cannot
+  /// pin memory without bound, nor push out the sessions of other hosts. At least 1.
   std::size_t max_interrupted_sessions{1024};
 };
 

@@ -689,7 +689,8 @@ TEST_P(Engine, AcknowledgementsGoOncePerRoundAndBeforeALocalClose) {
     fake->receive(c, bytes);
     fake->receive(c, bytes);
     backend->close_active_endpoint(peer);  // not acknowledged: closes at once
-    EXPECT_EQ(c->acks_sent, (std::vector<std::uint64_t>{5, 7})) << "the last count, before the close";
+    EXPECT_EQ(c->acks_sent, (std::vector<std::uint64_t>{5, 7}))
+        << "the last count, before the close";
   });
   settle();
   on_loop([&] { EXPECT_EQ(c->acks_sent, (std::vector<std::uint64_t>{5, 7})) << "sent once"; });

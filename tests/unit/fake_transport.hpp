@@ -46,7 +46,7 @@ struct FakeConnection : detail::ConnectionBase {
   bool abandoned{false};
   int heartbeats_sent{0};
   std::vector<std::uint64_t> acks_sent;  // send_ack's counts
-  bool reading{true};  // receiving(): false pauses the peer-timeout judgement
+  bool reading{true};                    // receiving(): false pauses the peer-timeout judgement
 };
 
 class FakeTransport : public detail::ConnectionEngine<FakeTransport, FakeConnection, FakeListener>,

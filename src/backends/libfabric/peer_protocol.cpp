@@ -97,8 +97,8 @@ bool Backend::take_peer_cm_data(Connection& conn, const CmData& peer) {
   const CmData own = own_cm_data(conn);
   // Acknowledgements travel as heartbeats do: to the receiver of the acknowledged messages,
   // addressed by its token.
-  conn.acks.peer_wants_acks = (peer.flags & CM_ACK_WANTED) != 0 && peer.heartbeat_token != 0 &&
-                              (own.flags & CM_ACKS) != 0;
+  conn.acks.peer_wants_acks =
+      (peer.flags & CM_ACK_WANTED) != 0 && peer.heartbeat_token != 0 && (own.flags & CM_ACKS) != 0;
   const bool peer_acknowledges = (peer.flags & CM_ACKS) != 0 && own.heartbeat_token != 0;
   conn.peer_sends_heartbeats = (peer.flags & CM_SENDS_HEARTBEATS) != 0 && own.heartbeat_token != 0;
   conn.peer_takes_heartbeats = peer.heartbeat_token != 0 && (own.flags & CM_SENDS_HEARTBEATS) != 0;

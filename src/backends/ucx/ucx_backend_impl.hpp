@@ -143,7 +143,7 @@ struct Incoming {
   NetworkBuffer* buffer{nullptr};        // rendezvous into a receive-pool buffer
   std::unique_ptr<std::uint8_t[]> heap;  // rendezvous into the heap, or a copied message
   Connection* conn{nullptr};             // RECEIVING: for the completion
-  std::size_t held{0};  // READY from eager: bytes counted in Backend::m_inbox_bytes
+  std::size_t held{0};     // READY from eager: bytes counted in Backend::m_inbox_bytes
   std::uint64_t count{0};  // ACK: the peer's count of messages delivered
 };
 
