@@ -11,7 +11,8 @@
 #                                in build/plain-CXX, warnings as errors, whole suite; also
 #                                builds the benchmark programs (target netio3_benchmarks),
 #                                which no other build makes unless asked
-#   tools/run.sh lint DIR        clang-format (.clang-format) over the tracked C++ files,
+#   tools/run.sh lint DIR        clang-format (.clang-format) over the C++ files outside the
+#                                build folders,
 #                                clang-tidy (.clang-tidy) on the library's sources, with
 #                                DIR's compile_commands.json, and the API reference
 #                                (target docs, Doxygen warnings as errors)
